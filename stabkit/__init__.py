@@ -1,0 +1,24 @@
+"""stabkit: keep large Transformer training runs from blowing up.
+
+Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`inspect`),
+and watch per-layer stability statistics in TensorBoard.
+"""
+
+from .config import MonitorConfig
+from .discovery import DiscoveryError, ModelMap, inspect
+from .events import Event, InstabilityError
+from .monitor import Monitor, attach
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DiscoveryError",
+    "Event",
+    "InstabilityError",
+    "ModelMap",
+    "Monitor",
+    "MonitorConfig",
+    "__version__",
+    "attach",
+    "inspect",
+]

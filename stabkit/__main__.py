@@ -1,0 +1,5 @@
+"""`python -m stabkit` runs the CLI."""
+
+from .cli import main
+
+main()

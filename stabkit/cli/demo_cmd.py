@@ -1,0 +1,54 @@
+"""`stabkit demo`: a tiny monitored training run on the embedded text (the 30-second tour)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import click
+import torch
+
+from ..config import MonitorConfig
+from ..data import load_corpus
+from ..models import GPT, PRESET_BATCH, preset_config
+from ..monitor import attach
+from ..training import TrainConfig, train
+from .app import main
+
+
+@main.command()
+@click.option("--size", default="tiny", show_default=True, type=click.Choice(["tiny", "small"]))
+@click.option("--steps", default=200, show_default=True, type=click.IntRange(1, 1_000_000))
+@click.option("--lr", default=3e-3, show_default=True, type=click.FloatRange(min=0, min_open=True))
+@click.option("--logdir", default="runs/demo", show_default=True, type=click.Path(file_okay=False))
+@click.option("--data", default=None, type=click.Path(), help="Your own text file (default: embedded text).")
+@click.option("--seed", default=0, show_default=True, type=int)
+def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: int) -> None:
+    """Train the reference GPT for a few hundred steps with stabkit attached; open TensorBoard on LOGDIR."""
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    corpus = load_corpus(data)
+    cfg = preset_config(size)
+    model = GPT(cfg)
+    tcfg = TrainConfig(steps=steps, lr=lr, batch_size=PRESET_BATCH[size], seed=seed)
+    mcfg = MonitorConfig(every=10, log_every=50, console=False)
+    progress: Any = click.progressbar(
+        length=steps, label=f"training {size} GPT", file=click.get_text_stream("stderr")
+    )
+    with progress as bar:
+
+        def on_step(step: int, loss: float) -> None:
+            bar.update(1)
+
+        result = train(
+            model,
+            corpus,
+            tcfg,
+            context=cfg.context,
+            monitor_factory=lambda m, o: attach(m, o, logdir=logdir, config=mcfg),
+            on_step=on_step,
+        )
+    click.echo(
+        f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {result.val_loss:.3f}); "
+        f"statistics in {Path(logdir)}; view with: tensorboard --logdir {Path(logdir).parent}"
+    )

@@ -1,0 +1,53 @@
+"""Byte-level text data for the recipes: CPython's bundled `pydoc_data.topics` by default.
+
+Loaded once when a run starts; batches are drawn with a private generator, so drawing data never
+touches the global RNG.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VAL_FRACTION = 0.1
+
+
+def embedded_text() -> bytes:
+    """~465 KB of English (the Python docs' topics) that ships with every CPython."""
+    from pydoc_data.topics import topics
+
+    return "".join(topics[k] for k in sorted(topics)).encode("utf-8")
+
+
+class ByteCorpus:
+    """A byte sequence split into train (first 90 %) and validation (last 10 %)."""
+
+    def __init__(self, data: bytes, name: str = "text") -> None:
+        if len(data) < 1000:
+            raise ValueError(f"training text {name!r} has {len(data)} bytes; need at least 1000")
+        self.name = name
+        tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
+        cut = int(len(tokens) * (1 - VAL_FRACTION))
+        self.train, self.val = tokens[:cut], tokens[cut:]
+
+    def batch(
+        self, split: str, batch_size: int, context: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Random windows: inputs (B, T) and next-byte targets (B, T), int64 on the CPU."""
+        data = self.train if split == "train" else self.val
+        if len(data) <= context + 1:
+            raise ValueError(f"{split} split of {self.name!r} is shorter than context {context} + 1")
+        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
+        windows = torch.stack([data[s : s + context + 1] for s in starts.tolist()])  # (B, T+1)
+        return windows[:, :-1], windows[:, 1:]
+
+
+def load_corpus(path: str | Path | None = None) -> ByteCorpus:
+    """The user's text file as bytes, or the embedded default when `path` is None."""
+    if path is None:
+        return ByteCorpus(embedded_text(), "pydoc_data.topics")
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"data file {str(p)!r} does not exist")
+    return ByteCorpus(p.read_bytes(), p.name)

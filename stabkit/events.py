@@ -1,0 +1,46 @@
+"""`Event`: one thing a detector noticed (a spike, a non-finite value, a drift)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+EVENT_KINDS = ("nonfinite", "spike", "drift", "amp")
+
+
+@dataclass
+class Event:
+    """A detector's finding at one step, with where it happened and what to switch on."""
+
+    step: int
+    """Training step (0-based count of completed `Monitor.step` calls) the event belongs to."""
+    kind: str
+    """'nonfinite', 'spike', 'drift' or 'amp'."""
+    where: str
+    """Metric name or module path that caused it."""
+    value: float
+    """The observed value."""
+    threshold: float
+    """The threshold it crossed."""
+    message: str
+    """One human sentence."""
+    advice: str = ""
+    """Suggested intervention or setting (registry names)."""
+    details: dict[str, Any] = field(default_factory=dict)
+    """Extra structured facts (pass, tensor, series...)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready dict."""
+        return asdict(self)
+
+    def __str__(self) -> str:
+        tail = f" -> try: {self.advice}" if self.advice else ""
+        return f"[{self.kind}] step {self.step} at {self.where}: {self.message}{tail}"
+
+
+class InstabilityError(RuntimeError):
+    """Raised by the `raise` action; carries the event that triggered it."""
+
+    def __init__(self, event: Event) -> None:
+        super().__init__(str(event))
+        self.event = event

@@ -1,0 +1,131 @@
+"""Building blocks of the reference GPT: norms, RoPE, attention, MLP.
+
+These run inside the model's forward pass; they are plain modules with no stabkit hooks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import GPTConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm: x / sqrt(mean(x²) + eps) · weight (no mean subtraction, no bias)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.normalized_shape = (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+
+def make_norm(cfg: GPTConfig, dim: int | None = None) -> nn.Module:
+    """A norm of the kind `cfg.norm` over the last `dim` (default d_model) features."""
+    width = dim or cfg.d_model
+    if cfg.norm == "rmsnorm":
+        return RMSNorm(width, cfg.norm_eps)
+    return nn.LayerNorm(width, eps=cfg.norm_eps, bias=cfg.bias)
+
+
+def rope_tables(head_dim: int, length: int, base: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin tables for rotary embeddings, each (length, head_dim/2), float32."""
+    inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(length, dtype=torch.float32), inv_freq)  # (T, hd/2)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., :hd/2], x[..., hd/2:]) of x (B, H, T, hd) by the position angles."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos_t = cos[: x.shape[-2]].to(x.dtype)  # (T, hd/2)
+    sin_t = sin[: x.shape[-2]].to(x.dtype)
+    return torch.cat((x1 * cos_t - x2 * sin_t, x1 * sin_t + x2 * cos_t), dim=-1)
+
+
+def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """cap · tanh(x / cap): smooth, bounded by ±cap, identity near zero."""
+    return cap * torch.tanh(x / cap)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with separate q/k/v projections, optional GQA, QK-norm, RoPE, soft cap."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        self.n_heads = cfg.n_heads
+        self.n_kv_heads = cfg.kv_heads
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.dropout
+        self.softcap = cfg.attn_softcap
+        self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
+        self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * cfg.head_dim, bias=cfg.bias)
+        self.o_proj = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.d_model, bias=cfg.bias)
+        self.q_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.k_norm = make_norm(cfg, cfg.head_dim) if cfg.qk_norm else None
+        self.use_rope = cfg.positions == "rope"
+        if self.use_rope:
+            cos, sin = rope_tables(cfg.head_dim, cfg.context, cfg.rope_base)
+            self.register_buffer("rope_cos", cos, persistent=False)
+            self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        q = self.q_proj(x).view(bsz, seq, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, Hkv, T, hd)
+        v = self.v_proj(x).view(bsz, seq, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.use_rope:
+            cos, sin = self.get_buffer("rope_cos"), self.get_buffer("rope_sin")
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        drop = self.dropout if self.training else 0.0
+        if self.softcap is None:
+            y = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, dropout_p=drop, enable_gqa=self.n_kv_heads != self.n_heads
+            )
+        else:
+            y = self._capped_attention(q, k, v, drop)
+        y = y.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)  # (B, T, d)
+        return self.o_proj(y)
+
+    def _capped_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: float
+    ) -> torch.Tensor:
+        """Math attention path with soft-capped logits (SDPA cannot cap)."""
+        assert self.softcap is not None
+        rep = self.n_heads // self.n_kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
+        seq = q.shape[-2]
+        logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
+        logits = softcap(logits, self.softcap)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+        logits = logits.masked_fill(~causal, float("-inf"))
+        weights = F.dropout(torch.softmax(logits, dim=-1), p=drop, training=drop > 0)
+        return weights @ v
+
+
+class MLP(nn.Module):
+    """GELU MLP (fc → gelu → proj) or SwiGLU (silu(gate) · fc → proj)."""
+
+    def __init__(self, cfg: GPTConfig) -> None:
+        super().__init__()
+        hidden = cfg.ff_width
+        self.gated = cfg.mlp == "swiglu"
+        self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
+        self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.gated else None
+        self.proj = nn.Linear(hidden, cfg.d_model, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.gate is not None:
+            return self.proj(F.silu(self.gate(x)) * self.fc(x))
+        return self.proj(F.gelu(self.fc(x)))

@@ -1,0 +1,218 @@
+"""`stabkit.attach` and `Monitor`: the one place that wires discovery, probes, stats and sinks.
+
+Timeline of one training step with a monitor attached:
+1. forward: probes' forward hooks add device statistics (sampled steps only);
+2. backward: post-accumulate-grad hooks keep each parameter's gradient norm on the device;
+3. `optimizer.step()`: the step pre-hook combines grad norms (and snapshots for update ratios),
+   the post-hook computes update ratios;
+4. `Monitor.step(loss)`: the step's statistics are committed; once per log interval they are
+   copied to the host in one transfer and written to the sinks.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from .config import MonitorConfig
+from .discovery import ModelMap, inspect
+from .events import Event
+from .probes import ActivationProbe, GradProbe, LogitProbe, Probe, ProbeContext
+from .sinks import SinkSet
+from .stats import Recorder
+
+StepObserver = Callable[["Monitor", int, dict[str, torch.Tensor]], None]
+"""Called at `Monitor.step` with the committed device statistics of that step (detectors plug in here)."""
+
+
+def _build_probes(config: MonitorConfig) -> list[Probe]:
+    fam = config.families
+    probes: list[Probe] = []
+    if "act" in fam:
+        probes.append(ActivationProbe())
+    if "logits" in fam:
+        probes.append(LogitProbe())
+    if fam & {"grad", "param", "update"}:
+        probes.append(GradProbe())
+    if "attn" in fam:
+        try:
+            from .probes.attention import AttentionProbe
+        except ImportError:  # the attention probe ships separately during development
+            pass
+        else:
+            probes.append(AttentionProbe())
+    return probes
+
+
+def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
+    """Raise when `optimizer` is not an optimizer or holds parameters that are not in `model`."""
+    if optimizer is None:
+        return
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            f"stabkit.attach: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
+        )
+    mine = {id(p) for p in model.parameters()}
+    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    if foreign:
+        raise ValueError(
+            f"stabkit.attach: the optimizer holds {foreign} parameter(s) that are not in the model; "
+            "attach to the module that owns every optimized parameter (e.g. the wrapper, not a sub-module)"
+        )
+
+
+class Monitor:
+    """Hooks on one model (and optimizer) that turn each step into stability statistics.
+
+    Create it with `stabkit.attach`. Use as a context manager, or call `detach()` at the end.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        logdir: str | Path | None = None,
+        config: MonitorConfig | None = None,
+        model_map: ModelMap | dict[str, Any] | None = None,
+    ) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"stabkit.attach expects a torch.nn.Module, got {type(model).__name__}; pass the model object"
+            )
+        if config is not None and not isinstance(config, MonitorConfig):
+            raise TypeError(f"config must be a stabkit.MonitorConfig, got {type(config).__name__}")
+        check_optimizer(model, optimizer)
+        self.model = model
+        self.optimizer = optimizer
+        self.config = config or MonitorConfig()
+        self.logdir = Path(logdir) if logdir is not None else None
+        self.model_map = inspect(model, model_map)
+        self.recorder = Recorder()
+        self.metrics: dict[str, float] = {}
+        """Newest logged host value of every metric (per-layer ones come from the last sampled step)."""
+        self.history: deque[tuple[int, dict[str, float]]] = deque(maxlen=100_000)
+        """(step, values) of every logged step, oldest first."""
+        self.events: list[Event] = []
+        """Every event detectors reported, in order."""
+        self.observers: list[StepObserver] = []
+        self._step = 0
+        self._detached = False
+        cfg = self.config
+        self.sinks = SinkSet(self.logdir, cfg.tensorboard, cfg.jsonl, cfg.console)
+        self.context = ProbeContext(model, self.model_map, optimizer, self.recorder, cfg, lambda: self._step)
+        self.probes = _build_probes(cfg)
+        try:
+            for probe in self.probes:
+                probe.attach(self.context)
+        except BaseException:
+            self._remove_hooks()
+            self.sinks.close()
+            raise
+        self.sinks.write_text("stabkit/model_map", "```\n" + self.model_map.describe() + "\n```")
+        self._atexit = _flush_at_exit(self)
+        atexit.register(self._atexit)
+
+    @property
+    def global_step(self) -> int:
+        """Number of completed steps (the index the next `step()` call will commit)."""
+        return self._step
+
+    def step(self, loss: torch.Tensor | float | None = None) -> None:
+        """Close one training step. Call after `optimizer.step()` and before the next `zero_grad()`.
+
+        With gradient accumulation call it once per optimizer step (not per micro-batch).
+        Costs no host sync except once per `log_every` steps.
+        """
+        if self._detached:
+            raise RuntimeError("Monitor.step() called after detach(); attach again to keep monitoring")
+        if loss is not None and "loss" in self.config.families:
+            value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            self.recorder.add("loss", value)
+        for probe in self.probes:
+            probe.end_step()
+        committed = self.recorder.commit(self._step)
+        for observer in self.observers:
+            observer(self, self._step, committed)
+        self._step += 1
+        if self._step % self.config.log_every == 0:
+            self.flush()
+
+    def flush(self) -> None:
+        """Copy pending statistics to the host (one transfer) and write them to every sink."""
+        rows = self.recorder.drain()
+        if rows:
+            for _, values in rows:
+                self.metrics.update(values)
+            self.history.extend(rows)
+            self.sinks.write_rows(rows)
+        self.sinks.flush()
+
+    def report(self, event: Event) -> None:
+        """Record an event and write it out at once (sinks flush on every event)."""
+        self.events.append(event)
+        self.sinks.write_event(event)
+
+    def write_text(self, tag: str, text: str) -> None:
+        """Write a text note (e.g. an audit report) to the sinks."""
+        self.sinks.write_text(tag, text, self._step)
+
+    def detach(self) -> None:
+        """Remove every hook stabkit added, flush and close the sinks. Safe to call twice."""
+        if self._detached:
+            return
+        self._detached = True
+        try:
+            self.flush()
+        finally:
+            self._remove_hooks()
+            self.sinks.close()
+            atexit.unregister(self._atexit)
+
+    def _remove_hooks(self) -> None:
+        for probe in self.probes:
+            probe.detach()
+
+    def __enter__(self) -> Monitor:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.detach()
+
+
+def _flush_at_exit(monitor: Monitor) -> Callable[[], None]:
+    ref = weakref.ref(monitor)
+
+    def flush() -> None:
+        mon = ref()
+        if mon is not None and not mon._detached:
+            mon.detach()
+
+    return flush
+
+
+def attach(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    logdir: str | Path | None = None,
+    config: MonitorConfig | None = None,
+    model_map: ModelMap | dict[str, Any] | None = None,
+) -> Monitor:
+    """Attach stabkit to `model` (and `optimizer`): hooks on, statistics to `logdir`.
+
+    Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
+    the monitor as a context manager). `model_map` overrides discovery (a ModelMap or a dict of
+    hints, see `stabkit.inspect`).
+    """
+    return Monitor(model, optimizer, logdir=logdir, config=config, model_map=model_map)

@@ -1,0 +1,51 @@
+"""Activation probe: RMS, abs-max and non-finite count of selected modules' outputs.
+
+Forward hooks, active on sampled steps only. The block modules' outputs are the residual stream
+after each block, so `act/<block>/rms` is the residual-stream RMS.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..stats import tensor_stats
+from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
+
+
+class ActivationProbe(Probe):
+    """Writes `act/<path>/rms`, `act/<path>/absmax`, `act/<path>/nonfinite` on sampled steps."""
+
+    name = "act"
+
+    def attach(self, ctx: ProbeContext) -> None:
+        super().attach(ctx)
+        mm = ctx.model_map
+        default: list[str] = []
+        for b in mm.blocks:
+            default += [b.path, b.attention.path] + ([b.mlp] if b.mlp else [])
+        self.paths = select_modules(ctx.model, ctx.config.modules, default)
+        modules = dict(ctx.model.named_modules())
+        for path in self.paths:
+            self.handles.append(modules[path].register_forward_hook(self._make_hook(path)))
+
+    def _make_hook(self, path: str) -> Any:
+        names = (f"act/{path}/rms", f"act/{path}/absmax", f"act/{path}/nonfinite")
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            self._measure(names, output)
+
+        return hook
+
+    @guarded
+    def _measure(self, names: tuple[str, str, str], output: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.sampled():
+            return
+        rms, absmax, nonfinite = tensor_stats(first_tensor(output))
+        rec = ctx.recorder
+        rec.add(names[0], rms, combine="rms", reduction="l2")
+        rec.add(names[1], absmax, combine="max", reduction="max")
+        rec.add(names[2], nonfinite, combine="sum", reduction="sum")

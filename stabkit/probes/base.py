@@ -1,0 +1,135 @@
+"""What every probe shares: the context it is attached with, and warn-once-then-disable on failure.
+
+A probe registers hooks at `attach` (once) and removes them at `detach`. Its hooks run during the
+user's forward/backward/optimizer step and only add device tensors to the Recorder.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..config import ModuleSelection, MonitorConfig
+from ..discovery import ModelMap
+from ..stats import Recorder
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class ProbeError(RuntimeError):
+    """A probe met something it does not understand (raised only with MonitorConfig(strict=True))."""
+
+
+@dataclass
+class ProbeContext:
+    """What a probe may use: the model, its map, the optimizer, the recorder and the step clock."""
+
+    model: nn.Module
+    model_map: ModelMap
+    optimizer: torch.optim.Optimizer | None
+    recorder: Recorder
+    config: MonitorConfig
+    step: Callable[[], int]
+    """The index of the step in progress (completed `Monitor.step` calls so far)."""
+    extras: dict[str, Any] = field(default_factory=dict)
+    """Shared scratch space between probes (e.g. kept inputs for replay)."""
+
+    def sampled(self, every: int | None = None) -> bool:
+        """True when the step in progress is one on which per-layer statistics are taken."""
+        return self.step() % (every or self.config.every) == 0
+
+
+class Probe:
+    """Base class: keeps hook handles, removes them on detach, and guards hooks with `safe`."""
+
+    name = "probe"
+
+    def __init__(self) -> None:
+        self.handles: list[RemovableHandle] = []
+        self.enabled = True
+        self.ctx: ProbeContext | None = None
+
+    def attach(self, ctx: ProbeContext) -> None:
+        """Register hooks. Called once by the Monitor."""
+        self.ctx = ctx
+
+    def end_step(self) -> None:
+        """Called by the Monitor at `Monitor.step`, before the step's statistics are committed."""
+
+    def detach(self) -> None:
+        """Remove every hook this probe registered (safe to call twice)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+    def fail(self, where: str, exc: BaseException) -> None:
+        """Warn once and disable this probe; with strict=True, raise instead."""
+        if self.ctx is not None and self.ctx.config.strict:
+            raise ProbeError(f"stabkit probe {self.name!r} failed at {where}: {exc}") from exc
+        if self.enabled:
+            warnings.warn(
+                f"stabkit: probe {self.name!r} failed at {where} ({type(exc).__name__}: {exc}); "
+                "it is now disabled and training continues (MonitorConfig(strict=True) raises instead)",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+        self.enabled = False
+
+
+def guarded(method: F) -> F:
+    """Decorator for probe hook methods: skip when disabled; route exceptions to `Probe.fail`."""
+
+    @functools.wraps(method)
+    def wrapper(self: Probe, *args: Any, **kwargs: Any) -> Any:
+        if not self.enabled:
+            return None
+        try:
+            with torch.no_grad():
+                return method(self, *args, **kwargs)
+        except ProbeError:
+            raise
+        except Exception as exc:
+            self.fail(method.__name__, exc)
+            return None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def first_tensor(output: Any) -> torch.Tensor:
+    """The main tensor of a module output: the tensor itself, the first tensor of a tuple/list, or
+    the first tensor value of a dict / ModelOutput. Raises TypeError when there is none."""
+    if isinstance(output, torch.Tensor):
+        return output
+    if isinstance(output, tuple | list):
+        for item in output:
+            if isinstance(item, torch.Tensor):
+                return item
+    if isinstance(output, dict):
+        for item in output.values():
+            if isinstance(item, torch.Tensor):
+                return item
+    raise TypeError(f"module output of type {type(output).__name__} holds no tensor stabkit can read")
+
+
+def select_modules(model: nn.Module, selection: ModuleSelection, default: list[str]) -> list[str]:
+    """Module paths chosen by a MonitorConfig.modules selection (None = `default`)."""
+    names = [n for n, _ in model.named_modules() if n]
+    if selection is None:
+        return [p for p in default if p]
+    if isinstance(selection, str):
+        return [n for n in names if fnmatch.fnmatchcase(n, selection)]
+    if callable(selection):
+        mods = dict(model.named_modules())
+        return [n for n in names if selection(n, mods[n])]
+    chosen = [n for n in names if any(fnmatch.fnmatchcase(n, pat) for pat in selection)]
+    if not chosen:
+        raise ValueError(f"MonitorConfig.modules={list(selection)!r} matches no module of the model")
+    return chosen

@@ -1,0 +1,156 @@
+"""Gradient, parameter-norm and update-ratio probe.
+
+When it runs:
+- after each parameter's gradient is accumulated (`register_post_accumulate_grad_hook`): the
+  norm of that parameter's gradient so far, kept on the device. The last value per parameter
+  is the norm of the full (accumulated) gradient *before* any clipping the user does later;
+- in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
+  norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
+  snapshot of the parameters on sampled steps;
+- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps.
+
+A *unit* is a block (its path) or, outside the blocks, the module that owns the parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..stats import l2_of_norms
+from .base import Probe, ProbeContext, guarded
+
+
+def parameter_units(model: nn.Module, block_of: Any) -> tuple[list[str], list[nn.Parameter], list[str]]:
+    """(names, parameters, unit of each) for the trainable parameters of `model` (tied ones once)."""
+    names, params, units = [], [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        names.append(name)
+        params.append(p)
+        units.append(block_of(name) or (name.rsplit(".", 1)[0] if "." in name else name))
+    return names, params, units
+
+
+class GradProbe(Probe):
+    """Writes grad/global_norm, grad/<unit>/norm, grad/param_group.<i>/norm, param/<unit>/norm,
+    update/<unit>/ratio and update/global_ratio."""
+
+    name = "grad"
+
+    def attach(self, ctx: ProbeContext) -> None:
+        super().attach(ctx)
+        fam = ctx.config.families
+        self.want_grad = "grad" in fam
+        self.want_param = "param" in fam
+        self.want_update = "update" in fam and ctx.optimizer is not None
+        self.names, self.params, units = parameter_units(ctx.model, ctx.model_map.block_of)
+        self.unit_names = list(dict.fromkeys(units))
+        self.unit_index = [self.unit_names.index(u) for u in units]
+        self.group_of: list[int] = [-1] * len(self.params)
+        if ctx.optimizer is not None:
+            where = {id(p): i for i, p in enumerate(self.params)}
+            for g, group in enumerate(ctx.optimizer.param_groups):
+                for p in group["params"]:
+                    if id(p) in where:
+                        self.group_of[where[id(p)]] = g
+        self._grad_norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self._snapshot: list[torch.Tensor] | None = None
+        self._snapshot_idx: list[int] = []
+        self._old_norms: list[torch.Tensor] = []
+        if self.want_grad:
+            for i, p in enumerate(self.params):
+                self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+        if ctx.optimizer is not None:
+            self.handles.append(ctx.optimizer.register_step_pre_hook(self._pre_step))
+            if self.want_update:
+                self.handles.append(ctx.optimizer.register_step_post_hook(self._post_step))
+
+    def _make_grad_hook(self, i: int) -> Any:
+        def hook(param: torch.Tensor) -> None:
+            self._grad_norm(i, param)
+
+        return hook
+
+    @guarded
+    def _grad_norm(self, i: int, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._grad_norms[i] = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+
+    def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.before_update()
+
+    @guarded
+    def before_update(self) -> None:
+        """Grad norms (every step) and, on sampled steps, per-unit stats and the update snapshot."""
+        ctx = self.ctx
+        assert ctx is not None
+        sampled = ctx.sampled()
+        if self.want_grad:
+            self._record_grads(sampled)
+        if sampled and (self.want_param or self.want_update):
+            with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
+            tensors = [self.params[i].detach() for i in with_grad]
+            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32) if tensors else []
+            if self.want_param:
+                for u, unit in enumerate(self.unit_names):
+                    sub = [n for i, n in zip(with_grad, norms) if self.unit_index[i] == u]
+                    if sub:
+                        ctx.recorder.add(f"param/{unit}/norm", l2_of_norms(sub), reduction="l2")
+            if self.want_update:
+                self._snapshot = [t.clone() for t in tensors]
+                self._snapshot_idx = with_grad
+                self._old_norms = list(norms)
+
+    def _record_grads(self, sampled: bool) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        present = [(i, n) for i, n in enumerate(self._grad_norms) if n is not None]
+        if not present:
+            return
+        rec = ctx.recorder
+        rec.add("grad/global_norm", l2_of_norms([n for _, n in present]), reduction="l2")
+        if not sampled:
+            return
+        for u, unit in enumerate(self.unit_names):
+            sub = [n for i, n in present if self.unit_index[i] == u]
+            if sub:
+                rec.add(f"grad/{unit}/norm", l2_of_norms(sub), reduction="l2")
+        for g in sorted({self.group_of[i] for i, _ in present if self.group_of[i] >= 0}):
+            sub = [n for i, n in present if self.group_of[i] == g]
+            rec.add(f"grad/param_group.{g}/norm", l2_of_norms(sub), reduction="l2")
+
+    def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        self.after_update()
+
+    @guarded
+    def after_update(self) -> None:
+        """‖Δθ‖/‖θ_old‖ per unit from the snapshot taken before the update (sampled steps)."""
+        ctx = self.ctx
+        assert ctx is not None
+        if self._snapshot is None:
+            return
+        snap, idx = self._snapshot, self._snapshot_idx
+        self._snapshot = None
+        torch._foreach_sub_(snap, [self.params[i].detach() for i in idx])  # snap := θ_old − θ_new
+        deltas = torch._foreach_norm(snap, 2, dtype=torch.float32)
+        del snap
+        for u, unit in enumerate(self.unit_names):
+            d = [n for i, n in zip(idx, deltas) if self.unit_index[i] == u]
+            o = [n for i, n in zip(idx, self._old_norms) if self.unit_index[i] == u]
+            if d:
+                ratio = l2_of_norms(d) / l2_of_norms(o).clamp_min(1e-12)
+                ctx.recorder.add(f"update/{unit}/ratio", ratio, reduction="max")
+        total = l2_of_norms(list(deltas)) / l2_of_norms(self._old_norms).clamp_min(1e-12)
+        ctx.recorder.add("update/global_ratio", total, reduction="max")
+
+    def end_step(self) -> None:
+        """At `Monitor.step`: without an optimizer, take grad stats now; then forget this step's norms."""
+        ctx = self.ctx
+        assert ctx is not None
+        if ctx.optimizer is None:
+            self.before_update()
+        self._grad_norms = [None] * len(self.params)

@@ -1,0 +1,43 @@
+"""Output-logit probe: max |logit| and log Z (mean, max) at the output head.
+
+A forward hook on the ModelMap's output head, on sampled steps. log Z = logsumexp over the
+vocabulary; its drift is the output-logit divergence of Wortsman et al. 2023.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from ..stats import logit_stats
+from .base import Probe, ProbeContext, first_tensor, guarded
+
+
+class LogitProbe(Probe):
+    """Writes `logits/max_abs`, `logits/logz_mean`, `logits/logz_max`."""
+
+    name = "logits"
+
+    def attach(self, ctx: ProbeContext) -> None:
+        super().attach(ctx)
+        head = ctx.model_map.output_head
+        if head is None:
+            return
+        module = ctx.model.get_submodule(head)
+        self.handles.append(module.register_forward_hook(self._hook))
+
+    def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        self._measure(output)
+
+    @guarded
+    def _measure(self, output: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not ctx.sampled():
+            return
+        max_abs, logz_mean, logz_max = logit_stats(first_tensor(output))
+        rec = ctx.recorder
+        rec.add("logits/max_abs", max_abs, combine="max", reduction="max")
+        rec.add("logits/logz_mean", logz_mean, combine="mean", reduction="mean")
+        rec.add("logits/logz_max", logz_max, combine="max", reduction="max")

@@ -1,0 +1,55 @@
+"""Console sink: one short line per log interval and one line per event, on stderr."""
+
+from __future__ import annotations
+
+import sys
+from typing import TextIO
+
+from ..events import Event
+
+HEADLINE = (
+    ("loss", "loss"),
+    ("grad/global_norm", "grad"),
+    ("logits/logz_max", "logZmax"),
+)
+
+
+def summary_line(step: int, values: dict[str, float]) -> str:
+    """`step 120 | loss 2.31 | grad 0.84 | act max 12.3 (blocks.1) | ...`"""
+    parts = [f"step {step}"]
+    for key, label in HEADLINE:
+        if key in values:
+            parts.append(f"{label} {values[key]:.4g}")
+    acts = {k: v for k, v in values.items() if k.startswith("act/") and k.endswith("/absmax")}
+    if acts:
+        worst = max(acts, key=lambda k: acts[k] if acts[k] == acts[k] else float("inf"))
+        parts.append(f"act max {acts[worst]:.4g} ({worst[4:-7]})")
+    attn = {k: v for k, v in values.items() if k.startswith("attn/") and k.endswith("/max_logit")}
+    if attn:
+        parts.append(f"attn logit max {max(attn.values()):.4g}")
+    return "[stabkit] " + " | ".join(parts)
+
+
+class ConsoleSink:
+    """Prints to `stream` (default stderr)."""
+
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream
+
+    def _print(self, text: str) -> None:
+        print(text, file=self.stream or sys.stderr, flush=True)
+
+    def write_metrics(self, step: int, values: dict[str, float]) -> None:
+        self._print(summary_line(step, values))
+
+    def write_event(self, event: Event) -> None:
+        self._print(f"[stabkit] {event}")
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        """Texts (audit reports) are not echoed on the console."""
+
+    def flush(self) -> None:
+        (self.stream or sys.stderr).flush()
+
+    def close(self) -> None:
+        self.flush()

@@ -1,0 +1,79 @@
+"""JSONL sink: one JSON object per line — metrics per step, events, notes. Flushed on every write.
+
+Line kinds: ``{"type": "metrics", "step": s, "values": {...}}``, ``{"type": "event", ...Event fields}``,
+``{"type": "text", "tag": ..., "text": ...}``. Non-finite numbers are written as the strings
+"nan", "inf", "-inf" so every line stays valid JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+from ..events import Event
+
+LOG_NAME = "stabkit.jsonl"
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Read a stabkit JSONL log back (strings 'nan'/'inf' become floats); a torn last line is skipped."""
+    rows = []
+    with open(path, encoding="utf-8") as fh:
+        for line in fh:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if row.get("type") == "metrics":
+                row["values"] = {k: float(v) for k, v in row["values"].items()}
+            rows.append(row)
+    return rows
+
+
+class JsonlSink:
+    """Appends to `<logdir>/stabkit.jsonl`."""
+
+    def __init__(self, logdir: str | Path) -> None:
+        Path(logdir).mkdir(parents=True, exist_ok=True)
+        self.path = Path(logdir) / LOG_NAME
+        self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
+
+    def _write(self, obj: dict[str, Any], sync: bool = False) -> None:
+        if self._fh.closed:
+            return
+        self._fh.write(json.dumps(_clean(obj)) + "\n")
+        self._fh.flush()
+        if sync:
+            os.fsync(self._fh.fileno())
+
+    def write_metrics(self, step: int, values: dict[str, float]) -> None:
+        self._write({"type": "metrics", "step": step, "values": values})
+
+    def write_event(self, event: Event) -> None:
+        self._write({"type": "event", **event.to_dict()}, sync=True)
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        self._write({"type": "text", "tag": tag, "step": step, "text": text})
+
+    def flush(self) -> None:
+        if not self._fh.closed:
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        if not self._fh.closed:
+            self.flush()
+            self._fh.close()

@@ -1,0 +1,62 @@
+"""TensorBoard sink: scalars named as metrics, events as scalars and text, per-layer multiline charts.
+
+Runs at each log interval (after the host copy) and on every event; never computes statistics.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+from ..events import Event
+
+
+def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
+    """One chart per (family, statistic) drawing every layer's curve, e.g. `act/.*/rms`."""
+    layout: dict[str, dict[str, list[Any]]] = {}
+    for name in sorted(names):
+        parts = name.split("/")
+        if len(parts) < 3:
+            continue
+        family, stat = parts[0], parts[-1]
+        title = f"{stat} per layer"
+        regex = f"^{re.escape(family)}/.*/{re.escape(stat)}$"
+        layout.setdefault(family, {})[title] = ["Multiline", [regex]]
+    return layout
+
+
+class TensorBoardSink:
+    """Writes to `logdir` with torch.utils.tensorboard's SummaryWriter."""
+
+    def __init__(self, logdir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.writer = SummaryWriter(log_dir=str(logdir))
+        self._layout_names: set[str] = set()
+
+    def write_metrics(self, step: int, values: dict[str, float]) -> None:
+        """One scalar per metric at `step`; the multiline layout grows when new names appear."""
+        for name, value in values.items():
+            self.writer.add_scalar(name, value, step)
+        new = set(values) - self._layout_names
+        if new:
+            self._layout_names |= new
+            self.writer.add_custom_scalars(custom_scalar_layout(sorted(self._layout_names)))
+
+    def write_event(self, event: Event) -> None:
+        """An event as its own scalar (`events/<kind>`, not hidden by outlier scaling) and as text; flushed."""
+        self.writer.add_scalar(f"events/{event.kind}", event.value, event.step)
+        self.writer.add_text(f"events/{event.kind}", str(event), event.step)
+        self.writer.flush()
+
+    def write_text(self, tag: str, text: str, step: int = 0) -> None:
+        """Free text (audit report, active interventions)."""
+        self.writer.add_text(tag, text, step)
+
+    def flush(self) -> None:
+        self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.flush()
+        self.writer.close()
