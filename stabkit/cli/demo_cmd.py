@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,7 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     model = GPT(cfg)
     tcfg = TrainConfig(steps=steps, lr=lr, batch_size=PRESET_BATCH[size], seed=seed)
     mcfg = MonitorConfig(every=10, log_every=50, console=False)
-    progress: Any = click.progressbar(
-        length=steps, label=f"training {size} GPT", file=click.get_text_stream("stderr")
-    )
+    progress: Any = click.progressbar(length=steps, label=f"training {size} GPT", file=sys.stderr)
     with progress as bar:
 
         def on_step(step: int, loss: float) -> None:
