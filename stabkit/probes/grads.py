@@ -7,7 +7,9 @@ When it runs:
 - in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
   norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
   snapshot of the parameters on sampled steps;
-- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps.
+- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps, with
+  ‖Δθ‖ rebuilt from the optimizer state for Adam/AdamW/SGD (`updates.py`), so no copy of the
+  parameters is kept; other optimizers get a snapshot on sampled steps.
 
 A *unit* is a block (its path) or, outside the blocks, the module that owns the parameter.
 """
@@ -21,6 +23,7 @@ from torch import nn
 
 from ..stats import l2_of_norms
 from .base import Probe, ProbeContext, guarded
+from .updates import closed_form_supported, update_norms
 
 
 def parameter_units(model: nn.Module, block_of: Any) -> tuple[list[str], list[nn.Parameter], list[str]]:
@@ -59,8 +62,9 @@ class GradProbe(Probe):
                         self.group_of[where[id(p)]] = g
         self._grad_norms: list[torch.Tensor | None] = [None] * len(self.params)
         self._snapshot: list[torch.Tensor] | None = None
-        self._snapshot_idx: list[int] = []
+        self._snapshot_idx: list[int] | None = None
         self._old_norms: list[torch.Tensor] = []
+        self.closed_form = ctx.optimizer is not None and closed_form_supported(ctx.optimizer)
         if self.want_grad:
             for i, p in enumerate(self.params):
                 self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
@@ -101,7 +105,7 @@ class GradProbe(Probe):
                     if sub:
                         ctx.recorder.add(f"param/{unit}/norm", l2_of_norms(sub), reduction="l2")
             if self.want_update:
-                self._snapshot = [t.clone() for t in tensors]
+                self._snapshot = None if self.closed_form else [t.clone() for t in tensors]
                 self._snapshot_idx = with_grad
                 self._old_norms = list(norms)
 
@@ -131,13 +135,19 @@ class GradProbe(Probe):
         """‖Δθ‖/‖θ_old‖ per unit from the snapshot taken before the update (sampled steps)."""
         ctx = self.ctx
         assert ctx is not None
-        if self._snapshot is None:
+        idx = self._snapshot_idx
+        if idx is None:
             return
-        snap, idx = self._snapshot, self._snapshot_idx
-        self._snapshot = None
-        torch._foreach_sub_(snap, [self.params[i].detach() for i in idx])  # snap := θ_old − θ_new
-        deltas = torch._foreach_norm(snap, 2, dtype=torch.float32)
-        del snap
+        self._snapshot_idx = None
+        current = [self.params[i] for i in idx]
+        if self._snapshot is None:
+            assert ctx.optimizer is not None
+            deltas = update_norms(ctx.optimizer, current)
+        else:
+            snap, self._snapshot = self._snapshot, None
+            torch._foreach_sub_(snap, [p.detach() for p in current])  # snap := θ_old − θ_new
+            deltas = list(torch._foreach_norm(snap, 2, dtype=torch.float32))
+            del snap
         for u, unit in enumerate(self.unit_names):
             d = [n for i, n in zip(idx, deltas) if self.unit_index[i] == u]
             o = [n for i, n in zip(idx, self._old_norms) if self.unit_index[i] == u]

@@ -1,0 +1,79 @@
+"""‖θ_new − θ_old‖ per parameter without keeping a copy of the parameters.
+
+Runs in the optimizer's step post-hook on sampled steps. For torch's Adam, AdamW and SGD the
+update is rebuilt from the optimizer state and the gradient that are still there right after
+the step, so the only extra memory is one parameter-sized temporary at a time. Other optimizers
+fall back to a snapshot taken in the pre-hook (one copy of the parameters on sampled steps).
+"""
+
+from __future__ import annotations
+
+import torch
+
+SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
+
+
+def closed_form_supported(optimizer: torch.optim.Optimizer) -> bool:
+    """True when `update_norms` can rebuild the update of every parameter of `optimizer`."""
+    if type(optimizer) not in SUPPORTED:
+        return False
+    return all(not g.get("differentiable", False) for g in optimizer.param_groups)
+
+
+def update_norms(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    out = []
+    for p in params:
+        group = group_of.get(id(p))
+        state = optimizer.state.get(p, {})
+        if group is None or p.grad is None or not state and not isinstance(optimizer, torch.optim.SGD):
+            out.append(torch.zeros((), device=p.device))
+            continue
+        if isinstance(optimizer, torch.optim.SGD):
+            delta = _sgd_delta(p, group, state)
+        else:
+            delta = _adam_delta(p, group, state, decoupled=isinstance(optimizer, torch.optim.AdamW))
+        out.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
+    return out
+
+
+def _adam_delta(p: torch.Tensor, group: dict, state: dict, decoupled: bool) -> torch.Tensor:
+    """Adam(W): θ_new = (1 − lr·wd_dec)·θ_old − u with u = lr/bc1 · m / (√v/√bc2 + ε)."""
+    beta1, beta2 = group["betas"]
+    lr, eps = group["lr"], group["eps"]
+    step = state["step"]
+    step_t = (
+        step.to(device=p.device, dtype=torch.float32)
+        if isinstance(step, torch.Tensor)
+        else torch.tensor(float(step), device=p.device)
+    )
+    bc1 = 1 - torch.pow(torch.as_tensor(beta1, device=p.device, dtype=torch.float32), step_t)
+    bc2 = 1 - torch.pow(torch.as_tensor(beta2, device=p.device, dtype=torch.float32), step_t)
+    v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
+    m = state["exp_avg"]
+    u = (m.float() * (lr / bc1)) / (v.float().sqrt() / bc2.sqrt() + eps)
+    # with maximize=True torch negates the gradient before the moments, so m already carries the sign
+    theta = p.detach().float()
+    shrink = lr * group["weight_decay"] if decoupled else 0.0
+    # θ_old = (θ_new + u) / (1 − a)  ⇒  Δ = θ_new − θ_old = (−a·θ_new − u) / (1 − a)
+    return (-shrink * theta - u) / (1 - shrink)
+
+
+def _sgd_delta(p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
+    """SGD: Δ = −lr·buf (momentum), or rebuilt from the gradient (plain / Nesterov, with weight decay)."""
+    lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
+    buf = state.get("momentum_buffer")  # built from the (negated, with maximize) gradient + wd·θ_old
+    assert p.grad is not None
+    if mom and buf is not None and not group.get("nesterov"):
+        return -lr * buf.float()
+    grad = p.grad.detach().float()
+    direction = -grad if group.get("maximize") else grad  # d = ±g + wd·θ_old (+ μ·buf for Nesterov)
+    if mom and buf is not None:
+        direction = direction + mom * buf.float()
+    theta = p.detach().float()
+    if not wd:
+        return -lr * direction
+    # θ_new = θ_old − lr·(direction + wd·θ_old)  ⇒  θ_old = (θ_new + lr·direction) / (1 − lr·wd)
+    old = (theta + lr * direction) / (1 - lr * wd)
+    return theta - old
