@@ -8,6 +8,8 @@ fall back to a snapshot taken in the pre-hook (one copy of the parameters on sam
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
@@ -20,14 +22,14 @@ def closed_form_supported(optimizer: torch.optim.Optimizer) -> bool:
     return all(not g.get("differentiable", False) for g in optimizer.param_groups)
 
 
-def update_norms(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[torch.Tensor]:
+def update_norms(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = []
     for p in params:
         group = group_of.get(id(p))
         state = optimizer.state.get(p, {})
-        if group is None or p.grad is None or not state and not isinstance(optimizer, torch.optim.SGD):
+        if group is None or p.grad is None or (not state and not isinstance(optimizer, torch.optim.SGD)):
             out.append(torch.zeros((), device=p.device))
             continue
         if isinstance(optimizer, torch.optim.SGD):
