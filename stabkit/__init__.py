@@ -4,6 +4,7 @@ Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`i
 and watch per-layer stability statistics in TensorBoard.
 """
 
+from .audit import audit
 from .config import MonitorConfig
 from .discovery import DiscoveryError, ModelMap, inspect
 from .events import Event, InstabilityError
@@ -20,5 +21,6 @@ __all__ = [
     "MonitorConfig",
     "__version__",
     "attach",
+    "audit",
     "inspect",
 ]

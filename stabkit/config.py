@@ -46,6 +46,8 @@ class MonitorConfig:
     """Write a JSONL log of metrics and events (needs a logdir)."""
     console: bool = True
     """Print a one-line summary per log interval and every event to stderr."""
+    audit: bool = True
+    """Run `stabkit.audit` once at attach and write its report (TensorBoard text, JSONL)."""
     strict: bool = False
     """Raise instead of warning when a probe fails (default: warn once, disable that probe, train on)."""
 

@@ -12,6 +12,7 @@ Timeline of one training step with a monitor attached:
 from __future__ import annotations
 
 import atexit
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -118,8 +119,24 @@ class Monitor:
             self.sinks.close()
             raise
         self.sinks.write_text("stabkit/model_map", "```\n" + self.model_map.describe() + "\n```")
+        self.audit_report = self._run_audit() if cfg.audit else None
         self._atexit = _flush_at_exit(self)
         atexit.register(self._atexit)
+
+    def _run_audit(self) -> Any:
+        """The architecture audit, once at attach: to TensorBoard as text and to the JSONL log."""
+        from .audit import audit
+
+        try:
+            report = audit(self.model, self.optimizer, model_map=self.model_map)
+        except Exception as exc:  # the audit must never stop training
+            warnings.warn(
+                f"stabkit: the audit failed ({type(exc).__name__}: {exc}); continuing", stacklevel=3
+            )
+            return None
+        self.sinks.write_text("stabkit/audit", report.to_markdown())
+        self.sinks.write_record("audit", report.to_dict())
+        return report
 
     @property
     def global_step(self) -> int:

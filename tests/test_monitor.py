@@ -173,3 +173,19 @@ def test_bad_inputs_raise_actionable_errors() -> None:
         stabkit.MonitorConfig(families=frozenset({"acts"}))
     with pytest.raises(stabkit.DiscoveryError, match="no attention found"):
         stabkit.attach(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+
+
+def test_attach_writes_the_audit_once(tmp_path: Path) -> None:
+    model = reference_gpt(norm_placement="post")
+    with stabkit.attach(model, logdir=tmp_path, config=stabkit.MonitorConfig(console=False)) as mon:
+        assert mon.audit_report is not None
+        rules = {f.rule for f in mon.audit_report.findings}
+        assert "post_norm" in rules and "attn_softmax_unguarded" in rules
+    records = [r for r in read_jsonl(tmp_path / LOG_NAME) if r["type"] == "audit"]
+    assert len(records) == 1 and any(f["rule"] == "post_norm" for f in records[0]["findings"])
+    acc = EventAccumulator(str(tmp_path), size_guidance={"tensors": 0})
+    acc.Reload()
+    assert "stabkit/audit/text_summary" in acc.Tags()["tensors"]
+    off = stabkit.attach(model, config=stabkit.MonitorConfig(console=False, audit=False))
+    assert off.audit_report is None
+    off.detach()

@@ -1,6 +1,6 @@
 """The `stabkit` command line: thin click commands over the library."""
 
-from . import demo_cmd, inspect_cmd  # noqa: F401  (register commands)
+from . import bench_cmd, demo_cmd, inspect_cmd  # noqa: F401  (register commands)
 from .app import UserInputError, main
 
 __all__ = ["UserInputError", "main"]

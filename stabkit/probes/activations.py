@@ -6,8 +6,10 @@ after each block, so `act/<block>/rms` is the residual-stream RMS.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..stats import tensor_stats
@@ -26,6 +28,9 @@ class ActivationProbe(Probe):
         for b in mm.blocks:
             default += [b.path, b.attention.path] + ([b.mlp] if b.mlp else [])
         self.paths = select_modules(ctx.model, ctx.config.modules, default)
+        # A module often returns its child's output object unchanged (attn -> o_proj, mlp -> proj):
+        # the last measured tensor is remembered (weakly, so nothing is kept alive) and not measured twice.
+        self._last: tuple[weakref.ref[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
         modules = dict(ctx.model.named_modules())
         for path in self.paths:
             self.handles.append(modules[path].register_forward_hook(self._make_hook(path)))
@@ -44,7 +49,13 @@ class ActivationProbe(Probe):
         assert ctx is not None
         if not ctx.sampled():
             return
-        rms, absmax, nonfinite = tensor_stats(first_tensor(output))
+        x = first_tensor(output)
+        last = self._last
+        if last is not None and last[0]() is x:
+            rms, absmax, nonfinite = last[1]
+        else:
+            rms, absmax, nonfinite = tensor_stats(x)
+            self._last = (weakref.ref(x), (rms, absmax, nonfinite))
         rec = ctx.recorder
         rec.add(names[0], rms, combine="rms", reduction="l2")
         rec.add(names[1], absmax, combine="max", reduction="max")

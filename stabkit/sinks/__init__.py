@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from ..events import Event
 from .console import ConsoleSink, summary_line
@@ -51,6 +51,12 @@ class SinkSet:
             return
         for sink in self._all():
             sink.write_event(event)
+
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Structured data for the JSONL log only."""
+        for sink in self.files:
+            if isinstance(sink, JsonlSink) and not self.closed:
+                sink.write_record(kind, data)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         if self.closed:

@@ -65,6 +65,10 @@ class JsonlSink:
     def write_event(self, event: Event) -> None:
         self._write({"type": "event", **event.to_dict()}, sync=True)
 
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """A structured record (e.g. the audit report) as one line ``{"type": kind, ...data}``."""
+        self._write({"type": kind, **data})
+
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         self._write({"type": "text", "tag": tag, "step": step, "text": text})
 

@@ -1,0 +1,51 @@
+"""The table `stabkit bench` prints."""
+
+from __future__ import annotations
+
+from .runner import BenchResult
+
+BUDGET = {"default": 1.03, "full": 1.25}
+"""Step-time budget on the CPU reference benchmark (DESIGN.md; issue 7)."""
+MEMORY_BUDGET = 0.01
+"""Memory overhead budget: fraction of parameters + gradients + optimizer state."""
+
+
+def format_table(result: BenchResult, noise: int | None = None) -> str:
+    """Median ms/step, min–max, ratio to bare, memory overhead, and the budget verdicts."""
+    cfg = result.config
+    head = (
+        f"stabkit bench: size={cfg['size']} device={cfg['device']} steps={cfg['steps']} "
+        f"repeats={cfg['repeats']} bf16={cfg['bf16']}  (model+grads+optimizer: {result.model_bytes / 2**20:.1f} MiB)"
+    )
+    lines = [
+        head,
+        f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'memory':>16}  budget",
+    ]
+    for name, v in result.variants.items():
+        mem = result.memory.get(name)
+        mem_txt = "-" if mem is None else f"{mem / 2**20:+.2f} MiB ({mem / result.model_bytes:+.1%})"
+        ratio = result.ratio(name)
+        verdict = ""
+        if name in BUDGET:
+            ok = ratio <= BUDGET[name]
+            verdict = f"time {'ok' if ok else 'OVER'} (<= {BUDGET[name]:.2f}x)"
+            if mem is not None:
+                verdict += f", memory {memory_verdict(mem, result.model_bytes, noise)}"
+        lines.append(
+            f"{name:<9} {v.median * 1e3:>10.2f} {min(v.step_times) * 1e3:>8.2f}-{max(v.step_times) * 1e3:<8.2f} "
+            f"{ratio:>7.3f} {mem_txt:>16}  {verdict}"
+        )
+    if result.memory_method:
+        extra = f"; noise ±{noise / 2**20:.2f} MiB (bare measured twice)" if noise is not None else ""
+        lines.append(f"memory: {result.memory_method}{extra}")
+    return "\n".join(lines)
+
+
+def memory_verdict(overhead: int, model_bytes: int, noise: int | None) -> str:
+    """'ok' within the budget, 'within noise' when only the measurement noise could put it over, else 'OVER'."""
+    allowed = MEMORY_BUDGET * model_bytes
+    if overhead <= allowed:
+        return "ok"
+    if noise is not None and overhead <= allowed + noise:
+        return "within noise"
+    return "OVER"

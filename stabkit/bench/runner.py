@@ -1,0 +1,226 @@
+"""`stabkit bench`: the cost of monitoring, as ratios against a bare loop in the same process.
+
+Variants (same seed, same batches, same model init): ``bare`` (no stabkit), ``default``
+(`stabkit.attach` with the default MonitorConfig), ``full`` (`MonitorConfig.full()`: every module,
+every step, exact attention statistics), ``anomaly`` (`torch.autograd.detect_anomaly`, a peer).
+Repetitions are interleaved (the variant order rotates each round) so that machine noise hits
+every variant alike; the figure per variant is the median over rounds of the mean step time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..config import MonitorConfig
+from ..data import load_corpus
+from ..models import GPT, PRESET_BATCH, preset_config
+from ..monitor import Monitor, attach
+
+VARIANTS = ("bare", "default", "full", "anomaly")
+
+
+@dataclass
+class BenchConfig:
+    """What to measure."""
+
+    size: str = "small"
+    """Reference GPT preset."""
+    device: str = "cpu"
+    """'cpu' or 'cuda'."""
+    steps: int = 40
+    """Timed steps per variant per round."""
+    repeats: int = 5
+    """Rounds (each runs every variant once)."""
+    warmup: int = 5
+    """Untimed steps per variant before the first round."""
+    bf16: bool = False
+    """bf16 autocast (CUDA)."""
+    batch_size: int | None = None
+    """Sequences per step (None = the preset's)."""
+    variants: tuple[str, ...] = VARIANTS
+    """Which variants to run (bare is always run)."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
+            raise ValueError("bench: --steps and --repeats must be >= 1 (warmup >= 0)")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"bench: --device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda" and not torch.cuda.is_available():
+            raise ValueError("bench: --device cuda asked for, but torch.cuda.is_available() is False")
+        unknown = set(self.variants) - set(VARIANTS)
+        if unknown:
+            raise ValueError(f"bench: unknown variant(s) {sorted(unknown)}; allowed: {list(VARIANTS)}")
+        if "bare" not in self.variants:
+            self.variants = ("bare", *self.variants)
+
+
+@dataclass
+class VariantResult:
+    """Per-variant timing (seconds per step) and memory."""
+
+    name: str
+    step_times: list[float] = field(default_factory=list)
+    """Mean step time of each round."""
+    peak_bytes: int | None = None
+    """CUDA max allocated during the variant's rounds."""
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.step_times)
+
+
+@dataclass
+class BenchResult:
+    """Everything `stabkit bench` prints and writes as JSON."""
+
+    config: dict[str, Any]
+    variants: dict[str, VariantResult]
+    model_bytes: int
+    """Parameters + gradients + optimizer state, in bytes."""
+    memory: dict[str, int | None] = field(default_factory=dict)
+    """Memory overhead per variant in bytes (CUDA max allocated delta, or CPU peak RSS delta)."""
+    memory_method: str = ""
+
+    def ratio(self, name: str) -> float:
+        return self.variants[name].median / self.variants["bare"].median
+
+    def to_dict(self) -> dict[str, Any]:
+        rows = {}
+        for name, v in self.variants.items():
+            rows[name] = {
+                "median_step_s": v.median,
+                "min_step_s": min(v.step_times),
+                "max_step_s": max(v.step_times),
+                "ratio_to_bare": self.ratio(name),
+                "memory_overhead_bytes": self.memory.get(name),
+                "memory_overhead_fraction": (
+                    None if self.memory.get(name) is None else self.memory[name] / self.model_bytes  # type: ignore[operator]
+                ),
+            }
+        return {
+            "config": self.config,
+            "model_bytes": self.model_bytes,
+            "memory_method": self.memory_method,
+            "variants": rows,
+        }
+
+
+class _Trainer:
+    """One model + optimizer + fixed batches; `run(n)` trains n steps with an optional monitor."""
+
+    def __init__(self, cfg: BenchConfig, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        torch.manual_seed(cfg.seed)
+        mcfg = preset_config(cfg.size)
+        self.device = torch.device(cfg.device)
+        self.model = GPT(mcfg).to(self.device)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+        self.batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
+        self.bf16 = cfg.bf16
+        self.cursor = 0
+        self.monitor: Monitor | None = None
+
+    def run(self, steps: int, anomaly: bool = False) -> None:
+        ctx = torch.autograd.detect_anomaly(check_nan=True) if anomaly else contextlib.nullcontext()
+        with ctx:
+            for _ in range(steps):
+                x, y = self.batches[self.cursor % len(self.batches)]
+                self.cursor += 1
+                with _autocast(self.device, self.bf16):
+                    logits = self.model(x)
+                loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+                self.opt.step()
+                if self.monitor is not None:
+                    self.monitor.step(loss)
+                self.opt.zero_grad(set_to_none=True)
+
+    def model_bytes(self) -> int:
+        params = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        state = sum(
+            t.numel() * t.element_size()
+            for s in self.opt.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
+        )
+        return 2 * params + state  # parameters + gradients + optimizer state
+
+
+@contextlib.contextmanager
+def _autocast(device: torch.device, bf16: bool) -> Iterator[None]:
+    if bf16:
+        with torch.autocast(device_type=device.type, dtype=torch.bfloat16):
+            yield
+    else:
+        yield
+
+
+def make_batches(cfg: BenchConfig, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """`n` fixed batches from the embedded text (the same for every variant)."""
+    corpus = load_corpus()
+    mcfg = preset_config(cfg.size)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    bsz = cfg.batch_size or PRESET_BATCH[cfg.size]
+    return [corpus.batch("train", bsz, mcfg.context, gen) for _ in range(n)]
+
+
+def monitor_config(variant: str) -> MonitorConfig | None:
+    """The MonitorConfig a variant attaches with (None: no monitor)."""
+    if variant == "default":
+        return MonitorConfig(console=False)
+    if variant == "full":
+        return MonitorConfig.full(console=False)
+    return None
+
+
+def run_bench(cfg: BenchConfig, progress: Any = None) -> BenchResult:
+    """Interleaved rounds of every variant; returns medians, ratios and memory (see module doc)."""
+    batches = make_batches(cfg)
+    results = {name: VariantResult(name) for name in cfg.variants}
+    trainers = {name: _Trainer(cfg, batches) for name in cfg.variants}
+    with tempfile.TemporaryDirectory(prefix="stabkit-bench-") as tmp:
+        for name, tr in trainers.items():
+            mcfg = monitor_config(name)
+            if mcfg is not None:
+                tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
+            tr.run(cfg.warmup, anomaly=name == "anomaly")
+        order = list(cfg.variants)
+        try:
+            for r in range(cfg.repeats):
+                rotation = order[r % len(order) :] + order[: r % len(order)]
+                for name in rotation:
+                    tr = trainers[name]
+                    if cfg.device == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.reset_peak_memory_stats()
+                    start = time.perf_counter()
+                    tr.run(cfg.steps, anomaly=name == "anomaly")
+                    if cfg.device == "cuda":
+                        torch.cuda.synchronize()  # sync point: end of a timed block
+                        peak = torch.cuda.max_memory_allocated()
+                        results[name].peak_bytes = max(results[name].peak_bytes or 0, peak)
+                    results[name].step_times.append((time.perf_counter() - start) / cfg.steps)
+                    if progress is not None:
+                        progress.update(1)
+        finally:
+            for tr in trainers.values():
+                if tr.monitor is not None:
+                    tr.monitor.detach()
+    model_bytes = trainers["bare"].model_bytes()
+    out = BenchResult(config=vars(cfg).copy(), variants=results, model_bytes=model_bytes)
+    out.config["variants"] = list(cfg.variants)
+    if cfg.device == "cuda":
+        base = results["bare"].peak_bytes or 0
+        out.memory = {n: (v.peak_bytes or 0) - base for n, v in results.items()}
+        out.memory_method = "CUDA max_memory_allocated delta against bare"
+    return out
