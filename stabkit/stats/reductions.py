@@ -6,7 +6,6 @@ import math
 
 import torch
 
-
 CHUNK_ELEMENTS = 1 << 18
 """Elements per chunk of the log Z reduction: bounds its temporary to ~1 MB (fp32) at any vocabulary."""
 
