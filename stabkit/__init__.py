@@ -8,6 +8,7 @@ from .audit import audit
 from .config import MonitorConfig
 from .discovery import DiscoveryError, ModelMap, inspect
 from .events import Event, InstabilityError
+from .interventions import z_loss
 from .monitor import Monitor, attach
 
 __version__ = "0.1.0"
@@ -23,4 +24,5 @@ __all__ = [
     "attach",
     "audit",
     "inspect",
+    "z_loss",
 ]

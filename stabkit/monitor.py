@@ -26,9 +26,13 @@ from torch import nn
 from .config import MonitorConfig
 from .discovery import ModelMap, inspect
 from .events import Event
+from .interventions import Handle
 from .probes import ActivationProbe, GradProbe, LogitProbe, Probe, ProbeContext
 from .sinks import SinkSet
 from .stats import Recorder
+
+InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str, Any]]
+"""What `attach(..., interventions=...)` takes: names, (name, options) pairs, or {name: options}."""
 
 StepObserver = Callable[["Monitor", int, dict[str, torch.Tensor]], None]
 """Called at `Monitor.step` with the committed device statistics of that step (detectors plug in here)."""
@@ -84,6 +88,7 @@ class Monitor:
         logdir: str | Path | None = None,
         config: MonitorConfig | None = None,
         model_map: ModelMap | dict[str, Any] | None = None,
+        interventions: InterventionSpecs | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -96,7 +101,14 @@ class Monitor:
         self.optimizer = optimizer
         self.config = config or MonitorConfig()
         self.logdir = Path(logdir) if logdir is not None else None
-        self.model_map = inspect(model, model_map)
+        self.interventions = self._apply_interventions(interventions)
+        """The handle of the interventions `attach` switched on (None when none were asked for)."""
+        try:
+            self.model_map = inspect(model, model_map)
+        except BaseException:
+            if self.interventions is not None:
+                self.interventions.remove()
+            raise
         self.recorder = Recorder()
         self.metrics: dict[str, float] = {}
         """Newest logged host value of every metric (per-layer ones come from the last sampled step)."""
@@ -119,9 +131,24 @@ class Monitor:
             self.sinks.close()
             raise
         self.sinks.write_text("stabkit/model_map", "```\n" + self.model_map.describe() + "\n```")
+        if self.interventions is not None:
+            self.sinks.write_text("stabkit/interventions", ", ".join(self.interventions.names))
         self.audit_report = self._run_audit() if cfg.audit else None
         self._atexit = _flush_at_exit(self)
         atexit.register(self._atexit)
+
+    def _apply_interventions(self, specs: InterventionSpecs | None) -> Handle | None:
+        """Switch on the requested interventions before discovery; new gains join the optimizer
+        as their own parameter group (no weight decay)."""
+        if not specs:
+            return None
+        from .interventions import apply_many
+
+        handle = apply_many(self.model, specs)
+        new = handle.new_parameters()
+        if new and self.optimizer is not None:
+            self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+        return handle
 
     def _run_audit(self) -> Any:
         """The architecture audit, once at attach: to TensorBoard as text and to the JSONL log."""
@@ -154,6 +181,9 @@ class Monitor:
         if loss is not None and "loss" in self.config.families:
             value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
             self.recorder.add("loss", value)
+        if self.interventions is not None:
+            for name, value in self.interventions.metrics().items():
+                self.recorder.add(name, value)
         for probe in self.probes:
             probe.end_step()
         committed = self.recorder.commit(self._step)
@@ -191,6 +221,8 @@ class Monitor:
             self.flush()
         finally:
             self._remove_hooks()
+            if self.interventions is not None:
+                self.interventions.remove()
             self.sinks.close()
             atexit.unregister(self._atexit)
 
@@ -225,11 +257,15 @@ def attach(
     logdir: str | Path | None = None,
     config: MonitorConfig | None = None,
     model_map: ModelMap | dict[str, Any] | None = None,
+    interventions: InterventionSpecs | None = None,
 ) -> Monitor:
     """Attach stabkit to `model` (and `optimizer`): hooks on, statistics to `logdir`.
 
     Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
     the monitor as a context manager). `model_map` overrides discovery (a ModelMap or a dict of
-    hints, see `stabkit.inspect`).
+    hints, see `stabkit.inspect`). `interventions` switches fixes on first (e.g.
+    ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again.
     """
-    return Monitor(model, optimizer, logdir=logdir, config=config, model_map=model_map)
+    return Monitor(
+        model, optimizer, logdir=logdir, config=config, model_map=model_map, interventions=interventions
+    )

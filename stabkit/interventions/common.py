@@ -1,0 +1,169 @@
+"""Reversible surgery primitives shared by the interventions: attribute and module swaps, hooks, norms.
+
+All of these run at ``apply`` time and register their own undo step on the handle, so an
+intervention is a sequence of primitive edits and ``Handle.remove()`` replays them backwards.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..discovery import DiscoveryError, ModelMap, inspect
+from ..models import RMSNorm
+from .handle import Handle, InterventionError
+
+_MISSING = object()
+QK_NORM_ATTR = "stabkit_qk_norm"
+"""Submodule name under an attention module holding the QK-norm gains added by ``qk_norm`` (``.q``, ``.k``)."""
+
+
+def model_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap | None = None) -> ModelMap:
+    """Discover the roles of `model` (or check `override`), naming `name` in any error."""
+    try:
+        return inspect(model, override)
+    except DiscoveryError as exc:
+        raise InterventionError(name, type(model).__name__, str(exc)) from exc
+
+
+def parent_of(model: nn.Module, path: str) -> tuple[nn.Module, str]:
+    """The parent module of `path` and the attribute name under it."""
+    parent, _, leaf = path.rpartition(".")
+    return (model.get_submodule(parent) if parent else model), leaf
+
+
+def swap_module(handle: Handle, parent: nn.Module, name: str, new: nn.Module | None) -> None:
+    """``parent.<name> = new`` (module or None), restored exactly on remove (same slot, same order).
+
+    A slot that existed is restored only while it still holds `new`; a slot created here is deleted
+    whatever it holds by then. So handles removed out of order (a module added by one intervention
+    and swapped by another) never resurrect a removed module."""
+    if name in parent._modules:
+        old = parent._modules[name]
+        setattr(parent, name, new)
+
+        def undo() -> None:
+            if name in parent._modules and parent._modules[name] is new:  # untouched since: restore
+                parent._modules[name] = old  # keeps the key's position, so named_modules order is unchanged
+
+    else:
+        old_plain = parent.__dict__.get(name, _MISSING)
+        if old_plain is not _MISSING and old_plain is not None:
+            raise TypeError(
+                f"{type(parent).__name__}.{name} is a plain attribute ({old_plain!r}), not a module slot"
+            )
+        if new is None:
+            raise ValueError("swap_module cannot create an empty slot")
+        setattr(parent, name, new)  # nn.Module moves a plain `None` attribute into _modules
+
+        def undo() -> None:
+            parent._modules.pop(name, None)  # the slot is ours, whatever was swapped into it since
+            if old_plain is not _MISSING:
+                parent.__dict__[name] = old_plain
+
+    handle.on_remove(undo)
+
+
+def add_module(
+    handle: Handle, intervention: str, parent: nn.Module, parent_path: str, name: str, new: nn.Module
+) -> None:
+    """Register a new submodule ``parent.<name>``; refuses to overwrite anything."""
+    if hasattr(parent, name):
+        raise InterventionError(
+            intervention,
+            parent_path,
+            f"attribute {name!r} already exists (is the intervention applied already?)",
+        )
+    swap_module(handle, parent, name, new)
+    handle.add_parameters(new.parameters())
+
+
+def set_attr(handle: Handle, obj: Any, name: str, value: Any) -> None:
+    """``obj.<name> = value`` for a plain (non-module) attribute, restored (or deleted) on remove."""
+    old = obj.__dict__.get(name, _MISSING)
+    setattr(obj, name, value)
+
+    def undo() -> None:
+        if old is _MISSING:
+            obj.__dict__.pop(name, None)
+        else:
+            obj.__dict__[name] = old
+
+    handle.on_remove(undo)
+
+
+def keep_hook(handle: Handle, removable: Any) -> None:
+    """Remove a hook handle (``torch.utils.hooks.RemovableHandle`` or ScopeHandle) on remove."""
+    handle.on_remove(removable.remove)
+
+
+def map_first(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """Apply `fn` to a module output that is a tensor or a tuple whose first item is the tensor."""
+    if isinstance(output, torch.Tensor):
+        return fn(output)
+    if isinstance(output, tuple) and output and isinstance(output[0], torch.Tensor):
+        return (fn(output[0]), *output[1:])
+    raise TypeError(f"expected a tensor or a tuple starting with a tensor, got {type(output).__name__}")
+
+
+def norm_eps(norm: nn.Module, default: float = 1e-6) -> float:
+    """Epsilon of a LayerNorm / RMSNorm-like module (``eps`` or HF's ``variance_epsilon``)."""
+    for attr in ("eps", "variance_epsilon", "epsilon"):
+        value = getattr(norm, attr, None)
+        if isinstance(value, float | int) and not isinstance(value, bool):
+            return float(value)
+    return default
+
+
+def norm_width(norm: nn.Module) -> int:
+    """Number of features a norm normalises (last entry of normalized_shape, else its gain's length)."""
+    shape = getattr(norm, "normalized_shape", None)
+    if shape:
+        return int(tuple(shape)[-1])
+    weight = getattr(norm, "weight", None)
+    if isinstance(weight, torch.Tensor):
+        return int(weight.shape[-1])
+    raise ValueError(f"cannot tell the width of {type(norm).__name__}")
+
+
+def _like(module: nn.Module) -> dict[str, Any]:
+    ref = next(iter(module.parameters()), None)
+    return {} if ref is None else {"device": ref.device, "dtype": ref.dtype}
+
+
+def norm_like(intervention: str, norm: nn.Module, path: str, dim: int) -> nn.Module:
+    """A fresh norm of the same kind as `norm` (LayerNorm or RMSNorm) over `dim` features: gain 1, bias 0."""
+    if isinstance(norm, nn.LayerNorm):
+        new: nn.Module = nn.LayerNorm(
+            dim, eps=norm.eps, elementwise_affine=norm.elementwise_affine, bias=norm.bias is not None
+        )
+    elif "rms" in type(norm).__name__.lower():
+        new = RMSNorm(dim, eps=norm_eps(norm))
+    else:
+        raise InterventionError(
+            intervention, path, f"norm of type {type(norm).__name__} is neither a LayerNorm nor an RMSNorm"
+        )
+    return new.to(**_like(norm))
+
+
+def keep_slow_path(handle: Handle, model: nn.Module, path: str) -> None:
+    """Make `nn.TransformerEncoderLayer` ancestors of `path` take their Python path (which calls the
+    patched submodules) rather than the fused C++ fast path used in eval/no-grad, which would skip
+    the intervention: a no-op forward pre-hook on the layer, and ``use_nested_tensor = False`` on
+    the enclosing `nn.TransformerEncoder`. Both are undone on remove."""
+    parts = path.split(".")
+    for i in range(len(parts), -1, -1):
+        prefix = ".".join(parts[:i])
+        module = model.get_submodule(prefix) if prefix else model
+        if isinstance(module, nn.TransformerEncoderLayer):
+            keep_hook(handle, module.register_forward_pre_hook(no_op_pre_hook))
+        elif isinstance(module, nn.TransformerEncoder) and getattr(module, "use_nested_tensor", False):
+            set_attr(handle, module, "use_nested_tensor", False)
+
+
+def no_op_pre_hook(module: nn.Module, args: Any) -> None:
+    """A forward pre-hook that does nothing; its presence turns off PyTorch's encoder fast path."""
+    return None

@@ -1,0 +1,194 @@
+"""QK-norm: normalise each head's query and key (RMSNorm or LayerNorm over head_dim, learnable gain
+initialised to 1, shared by the heads) before the dot product, and before RoPE where the family
+applies RoPE after the projections (HF LLaMA-family, the stabkit reference GPT).
+
+With it, ``|logit| = scale·|⟨g_q⊙q̂, g_k⊙k̂⟩| ≤ scale·head_dim·max|g_q|·max|g_k|`` (q̂, k̂ have norm at
+most √head_dim), so attention logits cannot grow without the gains growing (`qk_norm_logit_bound`).
+
+Routes, chosen at apply time from the ModelMap:
+
+- stabkit reference GPT: its own ``q_norm``/``k_norm`` slots (state_dict keys as ``GPTConfig(qk_norm=True)``);
+- fused qkv (HF GPT-2 ``Conv1D c_attn``, nanoGPT ``nn.Linear c_attn``): a forward hook on the projection
+  that normalises the q and k slices per head;
+- separate q/k projections (HF LLaMA-family): forward hooks on ``q_proj`` and ``k_proj`` outputs;
+- ``nn.MultiheadAttention``: the decomposed forward of `stabkit.interventions.mha`.
+
+The gains live in a ``stabkit_qk_norm`` submodule (``.q.weight``, ``.k.weight``) of each attention module.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..discovery.roles import out_features
+from .common import QK_NORM_ATTR, add_module, keep_hook, model_map, norm_eps, swap_module
+from .handle import Handle, InterventionError
+from .mha import patch_mha
+
+NAME = "qk_norm"
+KINDS = ("rmsnorm", "layernorm")
+
+
+class HeadNorm(nn.Module):
+    """Normalises a (..., H·head_dim) tensor per head over head_dim; one gain (head_dim,) for all heads."""
+
+    def __init__(self, head_dim: int, kind: str = "rmsnorm", eps: float = 1e-6) -> None:
+        super().__init__()
+        self.head_dim = head_dim
+        self.kind = kind
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        heads = x.unflatten(-1, (-1, self.head_dim))  # (..., H, hd)
+        shape = (self.head_dim,)
+        if self.kind == "rmsnorm":
+            y = F.rms_norm(heads, shape, self.weight, self.eps)
+        else:
+            y = F.layer_norm(heads, shape, self.weight, None, self.eps)
+        return y.flatten(-2)  # (..., H·hd)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, kind={self.kind}, eps={self.eps}"
+
+
+class QKNorm(nn.Module):
+    """The query and key `HeadNorm` of one attention module."""
+
+    def __init__(self, head_dim: int, kind: str, eps: float) -> None:
+        super().__init__()
+        self.q = HeadNorm(head_dim, kind, eps)
+        self.k = HeadNorm(head_dim, kind, eps)
+
+
+def _eps(model: nn.Module, block_norms: list[Any], eps: float | None) -> float:
+    if eps is not None:
+        return float(eps)
+    if block_norms:
+        return norm_eps(model.get_submodule(block_norms[0].path))
+    return 1e-6
+
+
+def apply_qk_norm(
+    model: nn.Module, kind: str = "rmsnorm", eps: float | None = None, model_map_override: Any = None
+) -> Handle:
+    """Add per-head QK-norm to every attention module of `model` (see the module docstring).
+
+    ``eps`` defaults to the epsilon of the block's own norms (1e-6 when it has none).
+    """
+    from ..models.layers import Attention as StabkitAttention
+
+    if kind not in KINDS:
+        raise InterventionError(NAME, "", f"kind must be one of {KINDS}, got {kind!r}")
+    if eps is not None and not (isinstance(eps, float | int) and eps > 0):
+        raise InterventionError(
+            NAME, "", f"eps must be None (the block norms' eps) or a positive number, got {eps!r}"
+        )
+    mmap = model_map(model, NAME, model_map_override)
+    handle = Handle(model, [NAME])
+    try:
+        for block in mmap.blocks:
+            a = block.attention
+            attn = model.get_submodule(a.path)
+            for attr in ("q_norm", "k_norm", QK_NORM_ATTR):
+                if getattr(attn, attr, None) is not None:
+                    raise InterventionError(NAME, a.path, f"it already has QK-norm ({attr})")
+            if not a.head_dim or not a.n_heads:
+                raise InterventionError(
+                    NAME, a.path, "head_dim / n_heads unknown (pass model_map= with them)"
+                )
+            hd, heads, kv_heads = a.head_dim, a.n_heads, a.n_kv_heads or a.n_heads
+            ref = next(attn.parameters())
+            norms = QKNorm(hd, kind, _eps(model, block.norms, eps)).to(device=ref.device, dtype=ref.dtype)
+            if isinstance(attn, StabkitAttention):
+                swap_module(handle, attn, "q_norm", norms.q)
+                swap_module(handle, attn, "k_norm", norms.k)
+                handle.add_parameters(norms.parameters())
+                continue
+            add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
+            if isinstance(attn, nn.MultiheadAttention):
+                patch_mha(handle, model, a.path, NAME)
+            elif a.qkv:
+                _hook_fused(handle, model, a.qkv, norms, hd * heads, hd * kv_heads)
+            elif a.q and a.k:
+                keep_hook(handle, model.get_submodule(a.q).register_forward_hook(_hook_on(norms.q)))
+                keep_hook(handle, model.get_submodule(a.k).register_forward_hook(_hook_on(norms.k)))
+            else:
+                raise InterventionError(NAME, a.path, "no q/k projections or fused qkv projection found")
+    except BaseException:
+        handle.remove()
+        raise
+    return handle
+
+
+def _hook_on(norm: HeadNorm) -> Any:
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        return norm(out)  # (B, T, H·hd)
+
+    return hook
+
+
+def _hook_fused(
+    handle: Handle, model: nn.Module, path: str, norms: QKNorm, q_width: int, k_width: int
+) -> None:
+    """Normalise the q and k slices of a fused [q | k | v] projection output."""
+    proj = model.get_submodule(path)
+    width = out_features(proj)
+    if width is None or width != q_width + 2 * k_width:
+        raise InterventionError(
+            NAME, path, f"fused projection width {width} is not q {q_width} + k {k_width} + v {k_width}"
+        )
+
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        q, k, v = out.split([q_width, k_width, k_width], dim=-1)  # (B, T, H·hd), (B, T, Hkv·hd) ×2
+        return torch.cat([norms.q(q), norms.k(k), v], dim=-1)
+
+    keep_hook(handle, proj.register_forward_hook(hook))
+
+
+def _vector_bound(norm: nn.Module, head_dim: int) -> torch.Tensor:
+    """Largest possible ‖norm(x)‖ over one head: max|g|·√hd (+ ‖b‖ with a bias)."""
+    weight = getattr(norm, "weight", None)
+    gain = weight.detach().abs().max() if weight is not None else torch.tensor(1.0)
+    bound = gain * head_dim**0.5
+    bias = getattr(norm, "bias", None)
+    if isinstance(bias, torch.Tensor):
+        bound = bound + bias.detach().norm()
+    return bound
+
+
+def qk_norm_logit_bounds(model: nn.Module) -> dict[str, float]:
+    """Per attention module with QK-norm: ``scale · max‖ĝ_q q̂‖ · max‖ĝ_k k̂‖`` from the current gains
+    (= scale·head_dim·max|g_q|·max|g_k| without biases), an upper bound on |attention logit|.
+
+    Call between steps; reads parameter values (one host sync per module).
+    """
+    out: dict[str, float] = {}
+    for path, attn in model.named_modules():
+        container = attn._modules.get(QK_NORM_ATTR)
+        if container is not None:
+            q_norm, k_norm = container.q, container.k
+        elif isinstance(getattr(attn, "q_norm", None), nn.Module) and isinstance(
+            getattr(attn, "k_norm", None), nn.Module
+        ):
+            q_norm, k_norm = attn.q_norm, attn.k_norm
+        else:
+            continue
+        head_dim = int(getattr(q_norm, "head_dim", 0) or q_norm.weight.shape[-1])
+        scale = getattr(attn, "scaling", None)
+        scale = float(scale) if isinstance(scale, float | int) else head_dim**-0.5
+        bound = scale * _vector_bound(q_norm, head_dim) * _vector_bound(k_norm, head_dim)
+        out[path] = float(bound)  # sync point
+    return out
+
+
+def qk_norm_logit_bound(model: nn.Module) -> float:
+    """The largest of `qk_norm_logit_bounds`; raises InterventionError when no attention has QK-norm."""
+    bounds = qk_norm_logit_bounds(model)
+    if not bounds:
+        raise InterventionError(NAME, type(model).__name__, "no attention module with QK-norm found")
+    return max(bounds.values())

@@ -1,0 +1,119 @@
+"""The intervention API: registry, option checking, ordering, atomic multi-apply, handles, optimizer use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import zoo
+
+from stabkit.interventions import (
+    ORDER,
+    REGISTRY,
+    InterventionError,
+    active_interventions,
+    apply,
+    describe_registry,
+)
+
+
+def test_registry_lists_every_intervention_with_defaults() -> None:
+    assert set(REGISTRY) == {
+        "z_loss",
+        "qk_norm",
+        "attn_softcap",
+        "logit_softcap",
+        "norm_placement",
+        "rmsnorm",
+    }
+    assert REGISTRY["z_loss"].defaults == {"coef": 1e-4}
+    assert REGISTRY["attn_softcap"].defaults == {"cap": 50.0}
+    assert REGISTRY["logit_softcap"].defaults == {"cap": 30.0}
+    assert REGISTRY["qk_norm"].defaults["kind"] == "rmsnorm"
+    text = describe_registry()
+    for name, spec in REGISTRY.items():
+        assert name in text and spec.description in text
+        assert all(f"{k}={v!r}" in text for k, v in spec.defaults.items())
+
+
+def test_unknown_names_and_options_list_the_allowed_ones() -> None:
+    model = zoo.reference_gpt()
+    with pytest.raises(
+        InterventionError, match=r"^qk-norm: unknown intervention; allowed: .*'qk_norm'.*'z_loss'"
+    ):
+        apply(model, "qk-norm")
+    with pytest.raises(InterventionError, match=r"unknown option\(s\) \['capp'\].*cap \(default 50.0\)"):
+        apply(model, "attn_softcap", capp=3)
+    with pytest.raises(InterventionError, match=r"to must be one of \('pre', 'post', 'sandwich'\)"):
+        apply(model, "norm_placement", to="middle")
+    with pytest.raises(InterventionError, match="cap must be a positive"):
+        apply(model, "logit_softcap", cap=-1)
+    with pytest.raises(InterventionError, match="pass options per entry"):
+        apply(model, ["qk_norm"], cap=3)
+    with pytest.raises(InterventionError, match="listed more than once"):
+        apply(model, ["qk_norm", ("qk_norm", {"kind": "layernorm"})])
+    assert isinstance(InterventionError("x", "y", "z"), ValueError)
+    assert active_interventions(model) == {}
+
+
+def test_multi_apply_orders_canonically_and_refuses_stacking() -> None:
+    model = zoo.reference_gpt()
+    handle = apply(model, ["z_loss", ("attn_softcap", {"cap": 5.0}), "rmsnorm", "qk_norm"])
+    assert handle.names == [n for n in ORDER if n in ("z_loss", "attn_softcap", "rmsnorm", "qk_norm")]
+    assert set(active_interventions(model)) == set(handle.names)
+    with pytest.raises(InterventionError, match="already active"):
+        apply(model, "qk_norm")
+    handle.remove()
+    assert active_interventions(model) == {}
+    with apply(model, {"qk_norm": {"kind": "layernorm"}, "z_loss": {}}) as h:  # dict form, context manager
+        assert h.names == ["qk_norm", "z_loss"]
+    assert h.removed and active_interventions(model) == {}
+
+
+def test_failed_multi_apply_rolls_back() -> None:
+    torch.manual_seed(0)
+    model = zoo.hf_llama()
+    idx, _ = zoo.batch(0)
+    base = model(idx).logits
+    keys = list(model.state_dict())
+    with pytest.raises(
+        InterventionError, match=r"^rmsnorm: cannot apply to LlamaForCausalLM: no nn.LayerNorm"
+    ):
+        apply(model, ["qk_norm", "z_loss", "rmsnorm"])  # rmsnorm runs first and fails: nothing applied
+    with pytest.raises(InterventionError, match="norm_placement"):
+        apply(model, ["qk_norm", ("norm_placement", {"to": "pre"})])  # qk_norm runs after the failure
+    with pytest.raises(InterventionError, match="attn_softcap"):
+        model.config._attn_implementation = "flex_attention"
+        apply(model, ["qk_norm", "attn_softcap", "z_loss"])  # qk_norm applied, then undone
+    model.config._attn_implementation = "sdpa"
+    assert list(model.state_dict()) == keys and active_interventions(model) == {}
+    assert torch.equal(model(idx).logits, base)
+
+
+def test_errors_name_intervention_module_and_what_is_missing() -> None:
+    model = zoo.reference_gpt(qk_norm=True)
+    with pytest.raises(InterventionError) as info:
+        apply(model, "qk_norm")
+    err = info.value
+    assert (err.intervention, err.where) == ("qk_norm", "blocks.0.attn")
+    assert "already has QK-norm" in err.missing and str(err).startswith(
+        "qk_norm: cannot apply to blocks.0.attn:"
+    )
+
+
+def test_new_parameters_train_with_an_existing_optimizer() -> None:
+    torch.manual_seed(0)
+    model = zoo.reference_gpt()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    handle = apply(model, ["qk_norm", ("norm_placement", {"to": "sandwich"})])
+    new = handle.new_parameters()
+    assert len(new) == 2 * 2 + 2 * 2  # q/k gains and two sandwich norms per block
+    optimizer.add_param_group({"params": new})
+    before = [p.detach().clone() for p in new]
+    idx, tgt = zoo.batch(0)
+    for _ in range(2):
+        optimizer.zero_grad()
+        zoo.lm_loss(model(idx), tgt).backward()
+        optimizer.step()
+    assert all(not torch.equal(p, b) for p, b in zip(new, before, strict=True))
+    names = dict(model.named_parameters())
+    assert "blocks.0.attn.q_norm.weight" in names and "blocks.1.post_norm2.weight" in names
