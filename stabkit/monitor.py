@@ -11,7 +11,6 @@ Timeline of one training step with a monitor attached:
 
 from __future__ import annotations
 
-import atexit
 import warnings
 import weakref
 from collections import deque
@@ -23,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import lifecycle
 from .config import MonitorConfig
 from .discovery import ModelMap, inspect
 from .events import Event
@@ -57,6 +57,22 @@ def _build_probes(config: MonitorConfig) -> list[Probe]:
     return probes
 
 
+def unwrap_compiled(model: nn.Module) -> nn.Module:
+    """The module under a `torch.compile` wrapper (hooks go on it; names match eager), else `model`."""
+    inner = getattr(model, "_orig_mod", None)
+    return inner if isinstance(inner, nn.Module) else model
+
+
+def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """Forward pre-hook on the root: refuse an empty batch with a message that says what to do."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0:
+            raise ValueError(
+                f"stabkit: the model got an empty batch (input of shape {tuple(value.shape)}); "
+                "skip empty batches in your data loader (drop_last=True, or filter zero-length sequences)"
+            )
+
+
 def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Raise when `optimizer` is not an optimizer or holds parameters that are not in `model`."""
     if optimizer is None:
@@ -89,6 +105,7 @@ class Monitor:
         config: MonitorConfig | None = None,
         model_map: ModelMap | dict[str, Any] | None = None,
         interventions: InterventionSpecs | None = None,
+        scaler: torch.amp.GradScaler | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -96,8 +113,10 @@ class Monitor:
             )
         if config is not None and not isinstance(config, MonitorConfig):
             raise TypeError(f"config must be a stabkit.MonitorConfig, got {type(config).__name__}")
+        model = unwrap_compiled(model)
         check_optimizer(model, optimizer)
         self.model = model
+        self.scaler = scaler
         self.optimizer = optimizer
         self.config = config or MonitorConfig()
         self.logdir = Path(logdir) if logdir is not None else None
@@ -122,7 +141,9 @@ class Monitor:
         cfg = self.config
         self.sinks = SinkSet(self.logdir, cfg.tensorboard, cfg.jsonl, cfg.console)
         self.context = ProbeContext(model, self.model_map, optimizer, self.recorder, cfg, lambda: self._step)
+        self.context.extras["scaler"] = scaler
         self.probes = _build_probes(cfg)
+        self._input_guard = model.register_forward_pre_hook(check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
                 probe.attach(self.context)
@@ -134,8 +155,7 @@ class Monitor:
         if self.interventions is not None:
             self.sinks.write_text("stabkit/interventions", ", ".join(self.interventions.names))
         self.audit_report = self._run_audit() if cfg.audit else None
-        self._atexit = _flush_at_exit(self)
-        atexit.register(self._atexit)
+        lifecycle.register(self)
 
     def _apply_interventions(self, specs: InterventionSpecs | None) -> Handle | None:
         """Switch on the requested interventions before discovery; new gains join the optimizer
@@ -186,12 +206,38 @@ class Monitor:
                 self.recorder.add(name, value)
         for probe in self.probes:
             probe.end_step()
+        self._amp_check()
         committed = self.recorder.commit(self._step)
         for observer in self.observers:
             observer(self, self._step, committed)
         self._step += 1
         if self._step % self.config.log_every == 0:
             self.flush()
+
+    def _amp_check(self) -> None:
+        """With a GradScaler: log the scale, and report a skipped (overflowed) step as `amp/overflow`."""
+        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
+        skipped = grad is not None and grad.skipped
+        if self.scaler is None or not self.scaler.is_enabled():
+            return
+        scale = self.scaler._scale
+        if scale is not None:
+            self.recorder.add("amp/scale", scale.clone())  # update() changes it in place
+        self.recorder.add("amp/overflow", torch.tensor(float(skipped)))
+        if skipped:
+            value = float(self.scaler.get_scale())  # sync point: only on the rare overflowed step
+            self.report(
+                Event(
+                    self._step,
+                    "amp",
+                    "amp/overflow",
+                    value,
+                    0.0,
+                    f"GradScaler skipped this step: inf/NaN in the scaled fp16 gradients (loss scale now {value:g}); "
+                    "this is the scaler doing its job, not a NaN in the model",
+                    "nothing if rare; if frequent, bf16 autocast or a lower LR",
+                )
+            )
 
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""
@@ -224,9 +270,14 @@ class Monitor:
             if self.interventions is not None:
                 self.interventions.remove()
             self.sinks.close()
-            atexit.unregister(self._atexit)
+            lifecycle.unregister(self)
+
+    def close_on_crash(self) -> None:
+        """Called at interpreter exit or on SIGTERM: flush what completed steps recorded, then detach."""
+        self.detach()
 
     def _remove_hooks(self) -> None:
+        self._input_guard.remove()
         for probe in self.probes:
             probe.detach()
 
@@ -239,17 +290,6 @@ class Monitor:
         self.detach()
 
 
-def _flush_at_exit(monitor: Monitor) -> Callable[[], None]:
-    ref = weakref.ref(monitor)
-
-    def flush() -> None:
-        mon = ref()
-        if mon is not None and not mon._detached:
-            mon.detach()
-
-    return flush
-
-
 def attach(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -258,14 +298,22 @@ def attach(
     config: MonitorConfig | None = None,
     model_map: ModelMap | dict[str, Any] | None = None,
     interventions: InterventionSpecs | None = None,
+    scaler: torch.amp.GradScaler | None = None,
 ) -> Monitor:
     """Attach stabkit to `model` (and `optimizer`): hooks on, statistics to `logdir`.
 
     Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
     the monitor as a context manager). `model_map` overrides discovery (a ModelMap or a dict of
-    hints, see `stabkit.inspect`). `interventions` switches fixes on first (e.g.
+    hints, see `stabkit.inspect`). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
+    gradient norms are unscaled and skipped steps are reported as `amp/overflow`. `interventions` switches fixes on first (e.g.
     ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again.
     """
     return Monitor(
-        model, optimizer, logdir=logdir, config=config, model_map=model_map, interventions=interventions
+        model,
+        optimizer,
+        logdir=logdir,
+        config=config,
+        model_map=model_map,
+        interventions=interventions,
+        scaler=scaler,
     )

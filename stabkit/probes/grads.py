@@ -61,6 +61,10 @@ class GradProbe(Probe):
                     if id(p) in where:
                         self.group_of[where[id(p)]] = g
         self._grad_norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self.scaler = ctx.extras.get("scaler")
+        self._stepped = False
+        self.skipped = False
+        """True after `end_step` when gradients arrived but the optimizer did not step (e.g. GradScaler overflow)."""
         self._snapshot: list[torch.Tensor] | None = None
         self._snapshot_idx: list[int] | None = None
         self._old_norms: list[torch.Tensor] = []
@@ -92,6 +96,7 @@ class GradProbe(Probe):
         """Grad norms (every step) and, on sampled steps, per-unit stats and the update snapshot."""
         ctx = self.ctx
         assert ctx is not None
+        self._stepped = True
         sampled = ctx.sampled()
         if self.want_grad:
             self._record_grads(sampled)
@@ -116,16 +121,23 @@ class GradProbe(Probe):
         if not present:
             return
         rec = ctx.recorder
-        rec.add("grad/global_norm", l2_of_norms([n for _, n in present]), reduction="l2")
+        # with a GradScaler the norms were taken on scaled gradients; its scale is unchanged until update()
+        unscale = None if self.scaler is None else 1.0 / self.scaler._scale.reshape(()).float()
+
+        def combined(norms: list[torch.Tensor]) -> torch.Tensor:
+            total = l2_of_norms(norms)
+            return total if unscale is None else total * unscale
+
+        rec.add("grad/global_norm", combined([n for _, n in present]), reduction="l2")
         if not sampled:
             return
         for u, unit in enumerate(self.unit_names):
             sub = [n for i, n in present if self.unit_index[i] == u]
             if sub:
-                rec.add(f"grad/{unit}/norm", l2_of_norms(sub), reduction="l2")
+                rec.add(f"grad/{unit}/norm", combined(sub), reduction="l2")
         for g in sorted({self.group_of[i] for i, _ in present if self.group_of[i] >= 0}):
             sub = [n for i, n in present if self.group_of[i] == g]
-            rec.add(f"grad/param_group.{g}/norm", l2_of_norms(sub), reduction="l2")
+            rec.add(f"grad/param_group.{g}/norm", combined(sub), reduction="l2")
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.after_update()
@@ -163,4 +175,7 @@ class GradProbe(Probe):
         assert ctx is not None
         if ctx.optimizer is None:
             self.before_update()
+        had_grads = any(n is not None for n in self._grad_norms)
+        self.skipped = ctx.optimizer is not None and had_grads and not self._stepped
+        self._stepped = False
         self._grad_norms = [None] * len(self.params)
