@@ -12,7 +12,6 @@ Timeline of one training step with a monitor attached:
 from __future__ import annotations
 
 import warnings
-import weakref
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path

@@ -12,9 +12,9 @@ import time
 import torch
 
 sys.path.insert(0, __file__.rsplit("/", 1)[0])
-from zoo import batch, lm_loss, reference_gpt  # noqa: E402
+from zoo import batch, lm_loss, reference_gpt
 
-import stabkit  # noqa: E402
+import stabkit
 
 torch.set_num_threads(1)
 logdir, mode = sys.argv[1], sys.argv[2]
