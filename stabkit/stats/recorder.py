@@ -9,6 +9,7 @@ host copy (one `.cpu()` per device).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +19,8 @@ Combine = Literal["max", "sum", "mean", "rms", "last"]
 """How values recorded several times within one step (micro-batches) combine."""
 Reduction = Literal["mean", "sum", "max", "l2"]
 """How a metric combines across ranks (declared per metric; used by distributed support)."""
+Reducer = Callable[[torch.Tensor, list[Reduction]], torch.Tensor]
+"""Combines a stacked 1-d tensor of values across ranks, each entry by its declared Reduction."""
 
 
 @dataclass
@@ -30,7 +33,9 @@ class _Slot:
 class Recorder:
     """Per-step device statistics, committed per step and drained to the host per log interval."""
 
-    def __init__(self) -> None:
+    def __init__(self, reducer: Reducer | None = None) -> None:
+        self.reducer = reducer
+        """Called by `drain` on each device's stacked values before the host copy (cross-rank reduce)."""
         self._current: dict[str, _Slot] = {}
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self.reductions: dict[str, Reduction] = {}
@@ -86,13 +91,17 @@ class Recorder:
         if not self._pending:
             return []
         by_device: dict[torch.device, list[torch.Tensor]] = {}
+        names: dict[torch.device, list[str]] = {}
         for _, values in self._pending:
-            for t in values.values():
+            for name, t in values.items():
                 by_device.setdefault(t.device, []).append(t)
-        host: dict[torch.device, list[float]] = {
-            dev: torch.stack(ts).cpu().tolist()  # sync point: the one host copy per log interval
-            for dev, ts in by_device.items()
-        }
+                names.setdefault(t.device, []).append(name)
+        host: dict[torch.device, list[float]] = {}
+        for dev, ts in by_device.items():
+            stacked = torch.stack(ts)
+            if self.reducer is not None:
+                stacked = self.reducer(stacked, [self.reductions.get(n, "mean") for n in names[dev]])
+            host[dev] = stacked.cpu().tolist()  # sync point: the one host copy per log interval
         cursor = dict.fromkeys(host, 0)
         out: list[tuple[int, dict[str, float]]] = []
         for step, values in self._pending:
