@@ -35,7 +35,8 @@ class MonitorConfig:
     attn_every: int | None = None
     """Attention-logit statistics on every N-th step (None = same as `every`)."""
     attn_sample_rows: int | None = 4
-    """Batch rows the attention probe measures (None = all rows, exact)."""
+    """Batch rows the attention probe measures (None = all rows, exact). The rows × queries budget is
+    spent twice: a uniform sample (entropy) and, for the max, the queries most likely to hold it."""
     attn_sample_queries: int | None = 64
     """Query positions the attention probe measures per row (None = all, exact)."""
     attn_per_head: bool = False
@@ -83,10 +84,9 @@ class MonitorConfig:
 
     @classmethod
     def full(cls, **overrides: object) -> MonitorConfig:
-        """Full detail: every module, every step, attention logits exact on every step."""
-        base: dict[str, object] = dict(
-            every=1, modules="*", attn_every=1, attn_sample_rows=None, attn_sample_queries=None
-        )
+        """Full detail: every module and attention logits on every step (attention on the default
+        sample of rows and queries; pass attn_sample_rows=None, attn_sample_queries=None for exact)."""
+        base: dict[str, object] = dict(every=1, modules="*", attn_every=1)
         base.update(overrides)
         return cls(**base)  # type: ignore[arg-type]
 

@@ -18,6 +18,7 @@ def test_recorder_combines_within_a_step_and_drains_in_order() -> None:
     rec = Recorder()
     for v in (3.0, 4.0):
         rec.add("a/max", torch.tensor(v), combine="max")
+        rec.add("a/min", torch.tensor(v), combine="min")
         rec.add("a/sum", torch.tensor(v), combine="sum")
         rec.add("a/mean", torch.tensor(v), combine="mean")
         rec.add("a/rms", torch.tensor(v), combine="rms")
@@ -29,7 +30,9 @@ def test_recorder_combines_within_a_step_and_drains_in_order() -> None:
     rows = rec.drain()
     assert [s for s, _ in rows] == [7, 8]
     first = rows[0][1]
-    assert first["a/max"] == 4.0 and first["a/sum"] == 7.0 and first["a/mean"] == 3.5
+    assert (
+        first["a/max"] == 4.0 and first["a/min"] == 3.0 and first["a/sum"] == 7.0 and first["a/mean"] == 3.5
+    )
     assert first["a/rms"] == pytest.approx(math.sqrt((9 + 16) / 2))
     assert first["a/last"] == 4.0 and rows[1][1] == {"a/last": 1.0}
     assert rec.drain() == []

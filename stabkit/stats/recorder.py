@@ -15,9 +15,9 @@ from typing import Literal
 
 import torch
 
-Combine = Literal["max", "sum", "mean", "rms", "last"]
+Combine = Literal["max", "min", "sum", "mean", "rms", "last"]
 """How values recorded several times within one step (micro-batches) combine."""
-Reduction = Literal["mean", "sum", "max", "l2"]
+Reduction = Literal["mean", "sum", "max", "min", "l2"]
 """How a metric combines across ranks (declared per metric; used by distributed support)."""
 Reducer = Callable[[torch.Tensor, list[Reduction]], torch.Tensor]
 """Combines a stacked 1-d tensor of values across ranks, each entry by its declared Reduction."""
@@ -54,6 +54,8 @@ class Recorder:
             return
         if combine == "max":
             slot.value = torch.maximum(slot.value, value)
+        elif combine == "min":
+            slot.value = torch.minimum(slot.value, value)
         elif combine == "rms":
             slot.value = slot.value + value * value
         else:  # sum, mean

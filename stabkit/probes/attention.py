@@ -1,0 +1,215 @@
+"""Attention probe: max |pre-softmax logit| and attention entropy per attention layer, for any
+attention implementation (fused SDPA included).
+
+How it sees the logits: on sampled steps (``MonitorConfig.attention_every``), a scoped
+``TorchFunctionMode`` (`stabkit.attention.attach_scope`, innermost) is pushed in each attention
+module's forward pre-hook and popped in its forward hook. While the module runs, the mode routes
+``F.scaled_dot_product_attention``, the softmaxes of eager attention and
+``F.multi_head_attention_forward`` to this probe, which recomputes the logits on a sample of batch
+rows and query positions (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`; None = exact;
+see `attention_measure` for how the max is kept close to exact), in float32 under ``no_grad``, with
+no RNG, then passes the call on with its original arguments: the model's outputs and RNG stream are
+untouched. On other steps the pre-hook returns at once (no mode). A training-mode forward that
+makes none of these calls (e.g. an external flash kernel) makes the probe warn once and switch off.
+
+Metrics per attention module (path `p`): ``attn/p/max_logit`` (combine max), ``attn/p/entropy``
+(mean), ``attn/p/min_head_entropy`` (min over micro-batches), with
+``MonitorConfig.attn_per_head`` also ``attn/p/head.<h>/max_logit`` and ``.../head.<h>/entropy``.
+With a soft cap, also ``attn/p/max_logit_capped``:
+
+- cap set by the ``attn_softcap`` intervention (attribute ``_stabkit_attn_softcap``): the probe sees
+  the raw call, so ``max_logit`` is the raw value, ``max_logit_capped = cap·tanh(max_logit/cap)``
+  (exact: tanh is monotone), and the entropy is that of the capped distribution;
+- cap computed by the model itself before an eager softmax (reference GPT ``attn_softcap``,
+  ``module.softcap``; HF ``attn_logit_softcapping``): only the capped logits are visible, so
+  ``max_logit_capped`` is measured and ``max_logit`` is recovered by inverting the cap (exact up to
+  float32 rounding while |logit| < ~8·cap, a lower bound beyond).
+
+On the softmax path the logit includes any additive bias the model adds before the softmax (zero
+for ordinary masks); on the SDPA path an additive ``attn_mask`` enters the entropy, not max_logit.
+
+Limits: ``nn.MultiheadAttention`` in inference (eval, no gradient) is not measured — a mode would
+divert it from its fused path; ``nn.TransformerEncoderLayer`` refuses its own fused inference path
+whenever a module hook is attached (any monitor hook, not only this probe's). Single-token HF
+decoding with GQA packs query heads into the query dim, so per-head values there are per kv head.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention.scope import SDPA, SOFTMAXES, attach_scope
+from .attention_calls import Reader, read_mha, read_sdpa, read_softmax
+from .attention_measure import measure
+from .attention_stats import HeadStats, Sampling, uncap
+from .base import Probe, ProbeContext, ProbeError
+
+INTERVENTION_CAP_ATTR = "_stabkit_attn_softcap"
+"""Attribute the attn_softcap intervention sets on a capped attention module (its cap)."""
+_MODEL_CAP_ATTRS = ("softcap", "attn_logit_softcapping")
+
+
+def _number(value: Any) -> float | None:
+    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    return None
+
+
+def model_cap(module: nn.Module) -> float | None:
+    """The soft cap a module applies itself before its softmax (reference GPT, HF Gemma-style), if any."""
+    for obj in (module, getattr(module, "config", None)):
+        for attr in _MODEL_CAP_ATTRS:
+            cap = _number(getattr(obj, attr, None))
+            if cap is not None:
+                return cap
+    return None
+
+
+class AttentionProbe(Probe):
+    """Writes `attn/<path>/{max_logit,entropy,min_head_entropy}` (and per head / capped) on sampled steps."""
+
+    name = "attn"
+
+    def attach(self, ctx: ProbeContext) -> None:
+        super().attach(ctx)
+        self.modules: dict[str, nn.Module] = {
+            p: ctx.model.get_submodule(p) for p in ctx.model_map.attention_paths if p
+        }
+        self._names: dict[str, tuple[str, str, str, str]] = {
+            p: (
+                f"attn/{p}/max_logit",
+                f"attn/{p}/entropy",
+                f"attn/{p}/min_head_entropy",
+                f"attn/{p}/max_logit_capped",
+            )
+            for p in self.modules
+        }
+        readers: dict[Callable[..., Any], Reader] = {
+            SDPA: read_sdpa,
+            F.multi_head_attention_forward: read_mha,
+        }
+        readers.update(dict.fromkeys(SOFTMAXES, read_softmax))
+        functions = {fn: self._make_handler(reader) for fn, reader in readers.items()}
+        every = ctx.config.attention_every
+
+        def sampled() -> bool:
+            return self.enabled and ctx.sampled(every)
+
+        mha = {p: m for p, m in self.modules.items() if isinstance(m, nn.MultiheadAttention)}
+        other = [p for p in self.modules if p not in mha]
+        self._scopes = [
+            attach_scope(ctx.model, other, functions, outer=False, on_exit=self._on_exit, enabled=sampled)
+        ]
+        for path, module in mha.items():
+
+            def sampled_mha(m: nn.Module = module) -> bool:
+                return sampled() and not _mha_fast_path_possible(m)
+
+            scope = attach_scope(
+                ctx.model, [path], functions, outer=False, on_exit=self._on_exit, enabled=sampled_mha
+            )
+            self._scopes.append(scope)
+
+    def detach(self) -> None:
+        """Remove the scope hooks (safe to call twice)."""
+        for scope in getattr(self, "_scopes", []):
+            scope.remove()
+        super().detach()
+
+    def _make_handler(self, reader: Reader) -> Callable[..., Any]:
+        def handler(
+            path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
+        ) -> Any:
+            if self.enabled:
+                try:
+                    self._measure(path, reader, func, args, kwargs)
+                except ProbeError:
+                    raise
+                except Exception as exc:  # warn once, disable; strict=True raises ProbeError
+                    self.fail(f"attention module {path!r}", exc)
+            return func(*args, **kwargs)  # the original call, untouched
+
+        return handler
+
+    def _measure(
+        self,
+        path: str,
+        reader: Reader,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+    ) -> None:
+        """Statistics of one intercepted call (inside the attention module's forward, under no_grad)."""
+        ctx = self.ctx
+        assert ctx is not None
+        cfg = ctx.config
+        sampling = Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, ctx.step() // cfg.attention_every)
+        module = self.modules[path]
+        # no outer mode (e.g. a soft-capping one) sees the probe's own ops; no autocast to low precision
+        with torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast(args, kwargs):
+            call = reader(args, kwargs)
+            seen_capped = model_cap(module) if func in SOFTMAXES else None
+            applied_cap = None if seen_capped else _number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            stats = measure(call, sampling, applied_cap)
+            self._record(path, stats, seen_capped, applied_cap)
+
+    def _record(
+        self, path: str, stats: HeadStats, seen_capped: float | None, applied_cap: float | None
+    ) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        rec = ctx.recorder
+        n_max, n_ent, n_min, n_capped = self._names[path]
+        top = stats.max_logit.amax()
+        if seen_capped is not None:
+            rec.add(n_max, uncap(top, seen_capped), combine="max", reduction="max")
+            rec.add(n_capped, top, combine="max", reduction="max")
+        else:
+            rec.add(n_max, top, combine="max", reduction="max")
+            if applied_cap is not None:
+                rec.add(n_capped, applied_cap * torch.tanh(top / applied_cap), combine="max", reduction="max")
+        rec.add(n_ent, stats.entropy(), combine="mean", reduction="mean")
+        rec.add(n_min, stats.min_head_entropy(), combine="min", reduction="min")
+        if ctx.config.attn_per_head:
+            head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
+            head_ent = stats.head_entropy()
+            for h in range(head_max.shape[0]):
+                rec.add(f"attn/{path}/head.{h}/max_logit", head_max[h], combine="max", reduction="max")
+                rec.add(f"attn/{path}/head.{h}/entropy", head_ent[h], combine="mean", reduction="mean")
+
+    def _on_exit(self, path: str, handled: int, output: Any) -> None:
+        """After a scoped forward: a training-mode forward that made no call the probe can read means
+        an attention implementation it does not understand (e.g. an external flash kernel)."""
+        module = self.modules[path]
+        if handled == 0 and output is not None and module.training and self.enabled:
+            self.fail(
+                f"attention module {path!r} ({type(module).__name__})",
+                RuntimeError(
+                    "its forward called neither F.scaled_dot_product_attention, a softmax, nor "
+                    "F.multi_head_attention_forward, so the probe cannot see its logits"
+                ),
+            )
+
+
+def _mha_fast_path_possible(mha: nn.Module) -> bool:
+    """True when nn.MultiheadAttention may take its fused inference path (eval, and no gradient
+    needed); a function mode would divert it to the Python path, so the probe leaves it alone."""
+    if mha.training:
+        return False
+    return not (torch.is_grad_enabled() and any(p.requires_grad for p in mha.parameters()))
+
+
+def _no_autocast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContextManager[Any]:
+    """Autocast off on the device of the call's first tensor (statistics stay in float32)."""
+    for value in (*args, *kwargs.values()):
+        if isinstance(value, torch.Tensor):
+            if torch.amp.is_autocast_available(value.device.type):
+                return torch.autocast(value.device.type, enabled=False)
+            break
+    return nullcontext()
