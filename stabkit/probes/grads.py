@@ -1,9 +1,10 @@
 """Gradient, parameter-norm and update-ratio probe.
 
 When it runs:
-- after each parameter's gradient is accumulated (`register_post_accumulate_grad_hook`): the
-  norm of that parameter's gradient so far, kept on the device. The last value per parameter
-  is the norm of the full (accumulated) gradient *before* any clipping the user does later;
+- at the end of each backward pass (a callback queued by the first post-accumulate-grad hook
+  that fires): one `_foreach_norm` over every gradient, kept on the device. After the last
+  micro-batch this is the norm of the full (accumulated) gradient *before* any clipping the
+  user does later;
 - in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
   norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
   snapshot of the parameters on sampled steps;
@@ -69,24 +70,30 @@ class GradProbe(Probe):
         self._snapshot_idx: list[int] | None = None
         self._old_norms: list[torch.Tensor] = []
         self.closed_form = ctx.optimizer is not None and closed_form_supported(ctx.optimizer)
+        self._queued = False
         if self.want_grad:
-            for i, p in enumerate(self.params):
-                self.handles.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(i)))
+            for p in self.params:
+                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
         if ctx.optimizer is not None:
             self.handles.append(ctx.optimizer.register_step_pre_hook(self._pre_step))
             if self.want_update:
                 self.handles.append(ctx.optimizer.register_step_post_hook(self._post_step))
 
-    def _make_grad_hook(self, i: int) -> Any:
-        def hook(param: torch.Tensor) -> None:
-            self._grad_norm(i, param)
-
-        return hook
+    def _on_grad_accumulated(self, param: torch.Tensor) -> None:
+        """Per parameter, during backward: queue one end-of-backward callback (cheap flag check)."""
+        if not self._queued and self.enabled:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     @guarded
-    def _grad_norm(self, i: int, param: torch.Tensor) -> None:
-        if param.grad is not None:
-            self._grad_norms[i] = torch.linalg.vector_norm(param.grad.detach(), dtype=torch.float32)
+    def _after_backward(self) -> None:
+        """End of a backward pass: the norm of every gradient so far, in one fused call."""
+        self._queued = False
+        present = [i for i, p in enumerate(self.params) if p.grad is not None]
+        grads = [self.params[i].grad.detach() for i in present]  # type: ignore[union-attr]
+        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
+        for i, n in zip(present, norms):
+            self._grad_norms[i] = n
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before_update()
