@@ -11,29 +11,29 @@ MEMORY_BUDGET = 0.01
 
 
 def format_table(result: BenchResult, noise: int | None = None) -> str:
-    """Median ms/step, min–max, ratio to bare, memory overhead, and the budget verdicts."""
+    """Median ms/step (wall), min–max, ratio to bare (wall and CPU time), memory, budget verdicts."""
     cfg = result.config
+    judged = "CPU-time" if cfg["device"] == "cpu" else "wall-clock"
     head = (
         f"stabkit bench: size={cfg['size']} device={cfg['device']} steps={cfg['steps']} "
         f"repeats={cfg['repeats']} bf16={cfg['bf16']}  (model+grads+optimizer: {result.model_bytes / 2**20:.1f} MiB)"
     )
     lines = [
         head,
-        f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'memory':>16}  budget",
+        f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'cpu x':>7} {'memory':>18}  budget ({judged} ratio)",
     ]
     for name, v in result.variants.items():
         mem = result.memory.get(name)
         mem_txt = "-" if mem is None else f"{mem / 2**20:+.2f} MiB ({mem / result.model_bytes:+.1%})"
-        ratio = result.ratio(name)
         verdict = ""
         if name in BUDGET:
-            ok = ratio <= BUDGET[name]
+            ok = result.budget_ratio(name) <= BUDGET[name]
             verdict = f"time {'ok' if ok else 'OVER'} (<= {BUDGET[name]:.2f}x)"
             if mem is not None:
                 verdict += f", memory {memory_verdict(mem, result.model_bytes, noise)}"
         lines.append(
             f"{name:<9} {v.median * 1e3:>10.2f} {min(v.step_times) * 1e3:>8.2f}-{max(v.step_times) * 1e3:<8.2f} "
-            f"{ratio:>7.3f} {mem_txt:>16}  {verdict}"
+            f"{result.ratio(name):>7.3f} {result.cpu_ratio(name):>7.3f} {mem_txt:>18}  {verdict}"
         )
     if result.memory_method:
         extra = f"; noise ±{noise / 2**20:.2f} MiB (bare measured twice)" if noise is not None else ""
