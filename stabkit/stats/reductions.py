@@ -13,11 +13,12 @@ CHUNK_ELEMENTS = 1 << 18
 def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rms, abs-max, non-finite count) of `x`, as float32 0-d device tensors.
 
-    Three passes and one temporary the size of `x` (in its own dtype): the norm and min/max
-    accumulate from the input dtype without a float copy, and the count uses `x * 0`, which is
-    0 for finite entries and NaN for NaN/±Inf, so `nan_to_num_(nan=1).sum()` counts them. (That is
-    ~7x cheaper on a CPU than `isfinite(x).sum()`, which makes several boolean passes.) When `x`
-    holds NaN/Inf, rms and abs-max are non-finite too.
+    The norm and min/max accumulate from the input dtype without a float copy. The count uses
+    `x * 0`, which is 0 for finite entries and NaN for NaN/±Inf, so `nan_to_num_(nan=1).sum()`
+    counts them (~7x cheaper on a CPU than `isfinite(x).sum()`, which makes several boolean
+    passes). rms and abs-max are non-finite whenever `x` holds a NaN/Inf, so on a CPU — where
+    reading a value involves no device synchronisation — the count is only computed when they
+    are; on an accelerator it is always computed, on the device, without a sync.
     """
     x = x.detach()
     if x.numel() == 0:
@@ -28,6 +29,9 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
     lo, hi = torch.aminmax(x)
     absmax = torch.maximum(hi, -lo).float()
+    # sync point: reads host memory only (CPU tensors), never a device
+    if x.device.type == "cpu" and math.isfinite(float(rms)) and math.isfinite(float(absmax)):
+        return rms, absmax, torch.zeros(())
     marks = x * 0  # 0 where finite, NaN where NaN or ±Inf
     marks.nan_to_num_(nan=1.0)
     nonfinite = marks.sum(dtype=torch.float32)
