@@ -6,6 +6,7 @@ and watch per-layer stability statistics in TensorBoard.
 
 from .audit import audit
 from .config import MonitorConfig
+from .detectors import DetectConfig
 from .discovery import DiscoveryError, ModelMap, inspect
 from .events import Event, InstabilityError
 from .interventions import z_loss
@@ -14,6 +15,7 @@ from .monitor import Monitor, attach
 __version__ = "0.1.0"
 
 __all__ = [
+    "DetectConfig",
     "DiscoveryError",
     "Event",
     "InstabilityError",

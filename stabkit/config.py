@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
+from .detectors.config import DetectConfig
+
 ModuleSelection = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 FAMILIES = ("act", "attn", "logits", "grad", "param", "update", "loss")
@@ -47,6 +49,8 @@ class MonitorConfig:
     """Write a JSONL log of metrics and events (needs a logdir)."""
     console: bool = True
     """Print a one-line summary per log interval and every event to stderr."""
+    detect: DetectConfig | None = field(default_factory=DetectConfig)
+    """Detectors and actions (NaN/Inf, spikes, drift, advice; see DetectConfig); None = off."""
     audit: bool = True
     """Run `stabkit.audit` once at attach and write its report (TensorBoard text, JSONL)."""
     strict: bool = False
@@ -67,6 +71,8 @@ class MonitorConfig:
                 raise ValueError(
                     f"MonitorConfig.{name} must be None (exact) or an integer >= 1, got {value!r}"
                 )
+        if self.detect is not None and not isinstance(self.detect, DetectConfig):
+            raise ValueError("MonitorConfig.detect must be a stabkit.DetectConfig or None")
         self.families = frozenset(self.families)
         unknown = sorted(self.families - set(FAMILIES))
         if unknown:

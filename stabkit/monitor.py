@@ -23,11 +23,12 @@ from torch import nn
 
 from . import lifecycle
 from .config import MonitorConfig
+from .detectors.wiring import install as install_detectors
 from .discovery import ModelMap, inspect
-from .events import Event
+from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
+from .events import Event, InstabilityError
 from .interventions import Handle
 from .probes import ActivationProbe, GradProbe, LogitProbe, Probe, ProbeContext
-from .sinks import SinkSet
 from .stats import Recorder
 
 InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str, Any]]
@@ -35,6 +36,8 @@ InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str,
 
 StepObserver = Callable[["Monitor", int, dict[str, torch.Tensor]], None]
 """Called at `Monitor.step` with the committed device statistics of that step (detectors plug in here)."""
+DrainHook = Callable[["Monitor", list[tuple[int, dict[str, float]]]], None]
+"""Called at each log interval with the host rows (step, values), before the sinks write them; may edit them."""
 
 
 def _build_probes(config: MonitorConfig) -> list[Probe]:
@@ -112,10 +115,11 @@ class Monitor:
             )
         if config is not None and not isinstance(config, MonitorConfig):
             raise TypeError(f"config must be a stabkit.MonitorConfig, got {type(config).__name__}")
-        model = unwrap_compiled(model)
+        model = unwrap_compiled(unwrap_data_parallel(unwrap_compiled(model)))
         check_optimizer(model, optimizer)
         self.model = model
         self.scaler = scaler
+        self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.optimizer = optimizer
         self.config = config or MonitorConfig()
         self.logdir = Path(logdir) if logdir is not None else None
@@ -127,7 +131,9 @@ class Monitor:
             if self.interventions is not None:
                 self.interventions.remove()
             raise
-        self.recorder = Recorder()
+        self.dist = detect(model)
+        """This rank's place in a torch.distributed job (mode 'single' when not distributed)."""
+        self.recorder = Recorder(reducer=reduce_stacked if self.dist.active else None)
         self.metrics: dict[str, float] = {}
         """Newest logged host value of every metric (per-layer ones come from the last sampled step)."""
         self.history: deque[tuple[int, dict[str, float]]] = deque(maxlen=100_000)
@@ -135,17 +141,22 @@ class Monitor:
         self.events: list[Event] = []
         """Every event detectors reported, in order."""
         self.observers: list[StepObserver] = []
+        self.drain_hooks: list[DrainHook] = [lambda _, rows: finish_ratios(rows)] if self.dist.sharded else []
         self._step = 0
         self._detached = False
         cfg = self.config
-        self.sinks = SinkSet(self.logdir, cfg.tensorboard, cfg.jsonl, cfg.console)
+        self.sinks = rank_sinks(self.logdir, cfg, self.dist)  # only rank 0 writes under torch.distributed
         self.context = ProbeContext(model, self.model_map, optimizer, self.recorder, cfg, lambda: self._step)
         self.context.extras["scaler"] = scaler
+        self.context.extras["dist"] = self.dist
         self.probes = _build_probes(cfg)
         self._input_guard = model.register_forward_pre_hook(check_inputs, with_kwargs=True)
+        self.detectors: Any = None
+        """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
         try:
             for probe in self.probes:
                 probe.attach(self.context)
+            self.detectors = install_detectors(self, cfg.detect) if cfg.detect is not None else None
         except BaseException:
             self._remove_hooks()
             self.sinks.close()
@@ -198,7 +209,11 @@ class Monitor:
         if self._detached:
             raise RuntimeError("Monitor.step() called after detach(); attach again to keep monitoring")
         if loss is not None and "loss" in self.config.families:
-            value = loss.detach() if isinstance(loss, torch.Tensor) else torch.tensor(float(loss))
+            value = (
+                loss.detach()
+                if isinstance(loss, torch.Tensor)
+                else torch.tensor(float(loss), device=self._device)
+            )
             self.recorder.add("loss", value)
         if self.interventions is not None:
             for name, value in self.interventions.metrics().items():
@@ -207,11 +222,13 @@ class Monitor:
             probe.end_step()
         self._amp_check()
         committed = self.recorder.commit(self._step)
-        for observer in self.observers:
-            observer(self, self._step, committed)
-        self._step += 1
-        if self._step % self.config.log_every == 0:
-            self.flush()
+        try:
+            for observer in self.observers:
+                observer(self, self._step, committed)
+        finally:  # an action may raise InstabilityError: the step still counts and logs still flush
+            self._step += 1
+            if self._step % self.config.log_every == 0:
+                self.flush()
 
     def _amp_check(self) -> None:
         """With a GradScaler: log the scale, and report a skipped (overflowed) step as `amp/overflow`."""
@@ -241,12 +258,27 @@ class Monitor:
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""
         rows = self.recorder.drain()
+        for hook in list(self.drain_hooks):
+            hook(self, rows)
         if rows:
             for _, values in rows:
                 self.metrics.update(values)
             self.history.extend(rows)
             self.sinks.write_rows(rows)
         self.sinks.flush()
+
+    def state_dict(self) -> dict[str, Any]:
+        """What to save with a checkpoint: the step count and the detectors' state."""
+        return {
+            "step": self._step,
+            "detectors": self.detectors.state_dict() if self.detectors is not None else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (e.g. when resuming from a checkpoint)."""
+        self._step = int(state.get("step", self._step))
+        if self.detectors is not None and state.get("detectors"):
+            self.detectors.load_state_dict(state["detectors"])
 
     def report(self, event: Event) -> None:
         """Record an event and write it out at once (sinks flush on every event)."""
@@ -273,10 +305,26 @@ class Monitor:
 
     def close_on_crash(self) -> None:
         """Called at interpreter exit or on SIGTERM: flush what completed steps recorded, then detach."""
+        self._local_only()
         self.detach()
+
+    def _local_only(self) -> None:
+        """Ending abnormally under torch.distributed: no collectives (other ranks may be gone); rank 0
+        writes its own last values."""
+        if self.dist.active and self.recorder.reducer is not None:
+            self.recorder.reducer = None
+            if self.recorder.pending_steps:
+                self.sinks.write_text(
+                    "stabkit/distributed",
+                    f"the last {self.recorder.pending_steps} step(s) are rank {self.dist.rank}'s own values "
+                    "(not reduced across ranks): the run ended abnormally",
+                    self._step,
+                )
 
     def _remove_hooks(self) -> None:
         self._input_guard.remove()
+        if self.detectors is not None:
+            self.detectors.remove()
         for probe in self.probes:
             probe.detach()
 
@@ -286,6 +334,8 @@ class Monitor:
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if exc is not None and not isinstance(exc, InstabilityError):
+            self._local_only()  # InstabilityError comes from an agreed decision: every rank raises it
         self.detach()
 
 

@@ -149,7 +149,7 @@ def test_no_optimizer_takes_grad_stats_at_step() -> None:
 def test_families_switch_statistics_off() -> None:
     model = reference_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    cfg = stabkit.MonitorConfig(every=1, families=frozenset({"loss", "logits"}), console=False)
+    cfg = stabkit.MonitorConfig(every=1, families=frozenset({"loss", "logits"}), console=False, detect=None)
     with stabkit.attach(model, opt, config=cfg) as mon:
         x, y = batch(0)
         loss = lm_loss(model(x), y)

@@ -57,6 +57,6 @@ class ActivationProbe(Probe):
             rms, absmax, nonfinite = tensor_stats(x)
             self._last = (weakref.ref(x), (rms, absmax, nonfinite))
         rec = ctx.recorder
-        rec.add(names[0], rms, combine="rms", reduction="l2")
+        rec.add(names[0], rms, combine="rms", reduction="rms")
         rec.add(names[1], absmax, combine="max", reduction="max")
         rec.add(names[2], nonfinite, combine="sum", reduction="sum")

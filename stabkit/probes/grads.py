@@ -13,6 +13,13 @@ When it runs:
   parameters is kept; other optimizers get a snapshot on sampled steps.
 
 A *unit* is a block (its path) or, outside the blocks, the module that owns the parameter.
+
+Under torch.distributed (`stabkit.distributed`) norms are taken on each rank's own piece of a
+tensor (`to_local()` of an FSDP2 DTensor), scaled so that the 'l2' reduction across ranks gives
+the norm of the whole tensor (a DDP-replicated tensor counts once). The end-of-backward callback
+queues itself once more, so it runs after DDP's own callback has written the averaged gradients.
+Under FSDP2 update ratios are logged as numerator and denominator ('.num', '.den'), divided
+after the reduction.
 """
 
 from __future__ import annotations
@@ -22,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import SINGLE, DistContext, local
 from ..stats import l2_of_norms
 from .base import Probe, ProbeContext, guarded
 from .updates import closed_form_supported, update_norms
@@ -71,6 +79,8 @@ class GradProbe(Probe):
         self._old_norms: list[torch.Tensor] = []
         self.closed_form = ctx.optimizer is not None and closed_form_supported(ctx.optimizer)
         self._queued = False
+        self.dist: DistContext = ctx.extras.get("dist") or SINGLE
+        self.scales = self.dist.norm_scales(self.params)
         if self.want_grad:
             for p in self.params:
                 self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
@@ -83,17 +93,29 @@ class GradProbe(Probe):
         """Per parameter, during backward: queue one end-of-backward callback (cheap flag check)."""
         if not self._queued and self.enabled:
             self._queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+            # distributed: queue once more from the callback, so the norms follow DDP's own
+            # end-of-backward callback (queued later during backward) that writes the averages
+            first = self._requeue if self.dist.active else self._after_backward
+            torch.autograd.Variable._execution_engine.queue_callback(first)
+
+    def _requeue(self) -> None:
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     @guarded
     def _after_backward(self) -> None:
         """End of a backward pass: the norm of every gradient so far, in one fused call."""
         self._queued = False
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = [self.params[i].grad.detach() for i in present]  # type: ignore[union-attr]
+        grads = [local(self.params[i].grad.detach()) for i in present]  # type: ignore[union-attr]
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
-        for i, n in zip(present, norms):
+        for i, n in zip(present, self._scaled(present, norms), strict=True):
             self._grad_norms[i] = n
+
+    def _scaled(self, idx: list[int], norms: Any) -> list[torch.Tensor]:
+        """Local norms times each parameter's cross-rank scale (unchanged when not distributed)."""
+        if not self.dist.active:
+            return list(norms)
+        return [n * self.scales[i] for i, n in zip(idx, norms, strict=True)]
 
     def _pre_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self.before_update()
@@ -109,8 +131,9 @@ class GradProbe(Probe):
             self._record_grads(sampled)
         if sampled and (self.want_param or self.want_update):
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-            tensors = [self.params[i].detach() for i in with_grad]
+            tensors = [local(self.params[i].detach()) for i in with_grad]
             norms = torch._foreach_norm(tensors, 2, dtype=torch.float32) if tensors else []
+            norms = self._scaled(with_grad, norms)
             if self.want_param:
                 for u, unit in enumerate(self.unit_names):
                     sub = [n for i, n in zip(with_grad, norms) if self.unit_index[i] == u]
@@ -119,7 +142,7 @@ class GradProbe(Probe):
             if self.want_update:
                 self._snapshot = None if self.closed_form else [t.clone() for t in tensors]
                 self._snapshot_idx = with_grad
-                self._old_norms = list(norms)
+                self._old_norms = norms
 
     def _record_grads(self, sampled: bool) -> None:
         ctx = self.ctx
@@ -164,17 +187,25 @@ class GradProbe(Probe):
             deltas = update_norms(ctx.optimizer, current)
         else:
             snap, self._snapshot = self._snapshot, None
-            torch._foreach_sub_(snap, [p.detach() for p in current])  # snap := θ_old − θ_new
+            torch._foreach_sub_(snap, [local(p.detach()) for p in current])  # snap := θ_old − θ_new
             deltas = list(torch._foreach_norm(snap, 2, dtype=torch.float32))
             del snap
+        deltas = self._scaled(idx, deltas)
         for u, unit in enumerate(self.unit_names):
             d = [n for i, n in zip(idx, deltas) if self.unit_index[i] == u]
             o = [n for i, n in zip(idx, self._old_norms) if self.unit_index[i] == u]
             if d:
-                ratio = l2_of_norms(d) / l2_of_norms(o).clamp_min(1e-12)
-                ctx.recorder.add(f"update/{unit}/ratio", ratio, reduction="max")
-        total = l2_of_norms(list(deltas)) / l2_of_norms(self._old_norms).clamp_min(1e-12)
-        ctx.recorder.add("update/global_ratio", total, reduction="max")
+                self._record_ratio(f"update/{unit}/ratio", l2_of_norms(d), l2_of_norms(o))
+        self._record_ratio("update/global_ratio", l2_of_norms(deltas), l2_of_norms(self._old_norms))
+
+    def _record_ratio(self, name: str, delta: torch.Tensor, old: torch.Tensor) -> None:
+        """‖Δθ‖/‖θ_old‖; under FSDP2 both parts, each an 'l2' of shards, divided after the reduction."""
+        rec = self.ctx.recorder  # type: ignore[union-attr]
+        if self.dist.mode == "sharded":
+            rec.add(name + ".num", delta, reduction="l2")
+            rec.add(name + ".den", old, reduction="l2")
+        else:
+            rec.add(name, delta / old.clamp_min(1e-12), reduction="max")
 
     def end_step(self) -> None:
         """At `Monitor.step`: without an optimizer, take grad stats now; then forget this step's norms."""
@@ -185,4 +216,5 @@ class GradProbe(Probe):
         had_grads = any(n is not None for n in self._grad_norms)
         self.skipped = ctx.optimizer is not None and had_grads and not self._stepped
         self._stepped = False
+        self._queued = False  # a backward that raised never ran its callback
         self._grad_norms = [None] * len(self.params)

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 
 import torch
 
+from ..distributed import local
+
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
@@ -30,10 +32,14 @@ def update_norms(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
         group = group_of.get(id(p))
         state = optimizer.state.get(p, {})
         if group is None or p.grad is None or (not state and not isinstance(optimizer, torch.optim.SGD)):
-            out.append(torch.zeros((), device=p.device))
+            out.append(torch.zeros((), device=local(p).device))
             continue
+        # FSDP2: this rank's shard of the parameter, its gradient and its state (DTensor.to_local())
+        grad = local(p.grad)
+        state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+        p = local(p)
         if isinstance(optimizer, torch.optim.SGD):
-            delta = _sgd_delta(p, group, state)
+            delta = _sgd_delta(p, grad, group, state)
         else:
             delta = _adam_delta(p, group, state, decoupled=isinstance(optimizer, torch.optim.AdamW))
         out.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
@@ -62,14 +68,13 @@ def _adam_delta(p: torch.Tensor, group: dict, state: dict, decoupled: bool) -> t
     return (-shrink * theta - u) / (1 - shrink)
 
 
-def _sgd_delta(p: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
+def _sgd_delta(p: torch.Tensor, grad: torch.Tensor, group: dict, state: dict) -> torch.Tensor:
     """SGD: Δ = −lr·buf (momentum), or rebuilt from the gradient (plain / Nesterov, with weight decay)."""
     lr, wd, mom = group["lr"], group["weight_decay"], group["momentum"]
     buf = state.get("momentum_buffer")  # built from the (negated, with maximize) gradient + wd·θ_old
-    assert p.grad is not None
     if mom and buf is not None and not group.get("nesterov"):
         return -lr * buf.float()
-    grad = p.grad.detach().float()
+    grad = grad.detach().float()
     direction = -grad if group.get("maximize") else grad  # d = ±g + wd·θ_old (+ μ·buf for Nesterov)
     if mom and buf is not None:
         direction = direction + mom * buf.float()

@@ -17,7 +17,7 @@ import torch
 
 Combine = Literal["max", "min", "sum", "mean", "rms", "last"]
 """How values recorded several times within one step (micro-batches) combine."""
-Reduction = Literal["mean", "sum", "max", "min", "l2"]
+Reduction = Literal["mean", "sum", "max", "min", "l2", "rms"]
 """How a metric combines across ranks (declared per metric; used by distributed support)."""
 Reducer = Callable[[torch.Tensor, list[Reduction]], torch.Tensor]
 """Combines a stacked 1-d tensor of values across ranks, each entry by its declared Reduction."""

@@ -1,0 +1,200 @@
+"""Drift (early warning): sustained growth of max attention logit, log Z and residual-stream RMS.
+
+Runs when the detectors consume a value (log interval, or every step with a non-warn drift
+action). These series are measured on sampled steps, so a window of `drift_window` values spans
+`drift_window × MonitorConfig.every` steps. Pure and checkpointable.
+
+Per series, once the window is full and the newest value is past the rule's level, a robust
+Theil–Sen slope (`scipy.stats.theilslopes`, 95 % interval) is fitted; drift is reported when the
+interval's lower end is above zero (growth, not noise), the fitted end value is past the level
+and the fitted change over the window is at least the rule's minimum:
+
+| series | fitted on | level | change | why |
+|---|---|---|---|---|
+| ``attn/<attn>/max_logit`` | log value | ``attn_logit_level`` (50) | ×(1 + ``attn_logit_growth``) | Gemma 2 / Rybakov cap at 50; Wortsman: runs above 1e4 diverged |
+| ``logits/logz_mean`` | \\|log Z − log V\\| | ``logz_level`` (10 nats) | ``logz_change`` nats | output-logit divergence (Wortsman §3.1.2); log V is log Z at zero logits |
+| ``act/<block>/rms`` | log value | ``residual_level`` × its first values | ×(1 + ``residual_growth``) | residual growth (Rybakov: >2× in diverging runs) |
+
+After an event a series stays quiet for one window, so a drift is reported once per window.
+The levels keep early-training growth from init (attention logits ~3 → ~10) silent.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+from scipy.stats import theilslopes
+
+from ..discovery import ModelMap
+from ..events import Event
+from .config import DetectConfig
+
+WORTSMAN_DIVERGED = 1e4
+"""Wortsman et al. 2023: every run whose max attention logit exceeded 1e4 diverged."""
+
+
+@dataclass
+class DriftRule:
+    """How one family of series is judged."""
+
+    family: Literal["attn_logit", "logz", "residual"]
+    space: Literal["log", "offset"]
+    """'log': fit log(value) (multiplicative growth); 'offset': fit |value − reference| (nats)."""
+    level: float
+    change: float
+    reference: float | None = None
+    """'offset' space: the value drift is measured from. 'log' space with relative level: None."""
+    relative_level: bool = False
+    """'log' space: the level is a multiple of the series' first values."""
+
+
+@dataclass
+class DriftSeries:
+    """Window of (step, value) of one series plus its reference and cooldown."""
+
+    window: deque[tuple[int, float]]
+    first: list[float] = field(default_factory=list)
+    quiet_until: int = 0
+    """Count of values before which no event is reported (cooldown after an event)."""
+    seen: int = 0
+
+
+class DriftDetector:
+    """Watches the drift series of one model (named from its ModelMap)."""
+
+    def __init__(self, config: DetectConfig, model_map: ModelMap) -> None:
+        self.config = config
+        c = config
+        log_v = math.log(model_map.vocab_size) if model_map.vocab_size else None
+        self.rules: dict[str, DriftRule] = {}
+        for path in model_map.attention_paths:
+            self.rules[f"attn/{path}/max_logit"] = DriftRule(
+                "attn_logit", "log", c.attn_logit_level, c.attn_logit_growth
+            )
+        self.rules["logits/logz_mean"] = DriftRule("logz", "offset", c.logz_level, c.logz_change, log_v)
+        for path in model_map.block_paths:
+            self.rules[f"act/{path}/rms"] = DriftRule(
+                "residual", "log", c.residual_level, c.residual_growth, relative_level=True
+            )
+        self.series: dict[str, DriftSeries] = {}
+
+    def wants(self, name: str) -> bool:
+        """True when `name` is a drift series."""
+        return name in self.rules
+
+    def update(self, step: int, name: str, x: float) -> Event | None:
+        """Consume value `x` of series `name` at `step`; a drift event or None."""
+        rule = self.rules.get(name)
+        if rule is None or not math.isfinite(x):
+            return None
+        s = self.series.get(name)
+        if s is None:
+            s = self.series[name] = DriftSeries(deque(maxlen=self.config.drift_window))
+        s.window.append((step, x))
+        s.seen += 1
+        if len(s.first) < 5:
+            s.first.append(x)
+        if rule.space == "offset" and rule.reference is None:
+            rule.reference = s.first[0]
+        if len(s.window) < self.config.drift_window or s.seen < s.quiet_until:
+            return None
+        event = self._judge(name, rule, s)
+        if event is not None:
+            s.quiet_until = s.seen + self.config.drift_window
+        return event
+
+    def _level(self, rule: DriftRule, s: DriftSeries) -> float:
+        if rule.relative_level:
+            return rule.level * float(np.median(s.first))
+        return rule.level
+
+    def _judge(self, name: str, rule: DriftRule, s: DriftSeries) -> Event | None:
+        steps = np.array([t for t, _ in s.window], dtype=np.float64)
+        raw = np.array([v for _, v in s.window], dtype=np.float64)
+        level = self._level(rule, s)
+        if rule.space == "log":
+            if raw[-1] < level or (raw <= 0).any():  # cheap pre-check before the O(n²) fit
+                return None
+            y = np.log(raw)
+        else:
+            y = np.abs(raw - (rule.reference or 0.0))
+            if y[-1] < level:
+                return None
+        slope, intercept, low, _high = theilslopes(y, steps)
+        span = steps[-1] - steps[0]
+        fit_start, fit_end = intercept + slope * steps[0], intercept + slope * steps[-1]
+        if rule.space == "log":
+            change, end = math.exp(slope * span) - 1.0, math.exp(fit_end)
+        else:
+            change, end = fit_end - fit_start, fit_end
+        if not (low > 0 and end >= level and change >= rule.change):
+            return None
+        return self._event(name, rule, s, raw[-1], level, slope, change, span, end)
+
+    def _event(
+        self,
+        name: str,
+        rule: DriftRule,
+        s: DriftSeries,
+        last: float,
+        level: float,
+        slope: float,
+        change: float,
+        span: float,
+        end: float,
+    ) -> Event:
+        step = s.window[-1][0]
+        details: dict[str, Any] = {
+            "series": name,
+            "family": rule.family,
+            "window_steps": span,
+            "slope": slope,
+        }
+        if rule.space == "log":
+            what = f"grew {1 + change:.2f}× over the last {span:.0f} steps (robust slope > 0) to {last:.4g}"
+            details["growth"] = 1 + change
+            if rule.family == "attn_logit" and slope > 0 and last < WORTSMAN_DIVERGED:
+                eta = math.log(WORTSMAN_DIVERGED / last) / slope
+                details["steps_to_1e4"] = eta
+                what += f"; at this rate it reaches 1e4 (where Wortsman et al.'s runs diverged) in ~{eta:.0f} steps"
+        else:
+            what = (
+                f"moved {change:.2f} nats further from log V over the last {span:.0f} steps "
+                f"(|log Z − log V| = {end:.2f})"
+            )
+            details["offset"] = end
+        return Event(step, "drift", name, last, level, f"{name} {what}", details=details)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain state: windows, first values, cooldowns, and the log Z reference."""
+        return {
+            name: {
+                "window": [list(p) for p in s.window],
+                "first": s.first,
+                "quiet_until": s.quiet_until,
+                "seen": s.seen,
+            }
+            for name, s in self.series.items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()` output."""
+        self.series = {}
+        for name, s in state.items():
+            window: deque[tuple[int, float]] = deque(maxlen=self.config.drift_window)
+            window.extend((int(t), float(v)) for t, v in s["window"])
+            self.series[name] = DriftSeries(
+                window, [float(v) for v in s["first"]], int(s["quiet_until"]), int(s["seen"])
+            )
+            rule = self.rules.get(name)
+            if (
+                rule is not None
+                and rule.space == "offset"
+                and rule.reference is None
+                and self.series[name].first
+            ):
+                rule.reference = self.series[name].first[0]

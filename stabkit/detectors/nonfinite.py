@@ -1,0 +1,169 @@
+"""Per-step non-finite checks on the device, and what a replay needs kept from the step.
+
+`StepGuard` puts two hooks on the root model:
+- forward pre-hook (every forward with grad enabled): keeps the inputs *by reference*, the CPU
+  and CUDA RNG states and the autocast settings, so the step can be replayed exactly;
+- forward hook: the max of the model output, on the device (NaN if any NaN, +Inf if any +Inf:
+  log Z = logsumexp is finite iff this max is, so this is the per-step log Z check at the cost of
+  one read of the logits; the logits probe measures log Z itself only on sampled steps). With
+  `keep_output_grad`, a tensor hook on the output keeps dL/d(output) until the optimizer pre-step
+  hook releases it (one output-sized tensor; it lets the backward pass be replayed without the
+  user's loss code).
+
+`nonfinite_any` is the device check used for gradients and for parameters + optimizer state after
+an update (no host sync).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..distributed import local
+from ..probes import first_tensor
+
+MAX_KEPT = 256
+"""Forward calls kept per step (micro-batches); older ones are dropped when Monitor.step is never called."""
+OUTPUT_METRIC = "logits/nonfinite"
+"""1 when the model output held NaN/+Inf in this step (so log Z was not finite), else 0."""
+UPDATE_METRIC = "update/nonfinite"
+"""1 when parameters or optimizer state held NaN/Inf after this step's update, else 0."""
+
+
+@dataclass
+class KeptForward:
+    """One forward call of the step: inputs by reference, RNG and autocast state, output gradient."""
+
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    rng_cpu: torch.Tensor
+    rng_cuda: list[torch.Tensor]
+    autocast: list[tuple[str, torch.dtype]]
+    output_grad: torch.Tensor | None = None
+
+
+def rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """CPU and (if initialised) every CUDA generator state; host-side copies, no device sync."""
+    cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() and torch.cuda.is_initialized() else []
+    return torch.get_rng_state(), cuda
+
+
+def set_rng_state(cpu: torch.Tensor, cuda: list[torch.Tensor]) -> None:
+    """Restore what `rng_state` returned."""
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(cuda)
+
+
+def autocast_state() -> list[tuple[str, torch.dtype]]:
+    """(device type, dtype) of every autocast context active now."""
+    out = []
+    for dev in ("cpu", "cuda"):
+        if torch.is_autocast_enabled(dev):
+            out.append((dev, torch.get_autocast_dtype(dev)))
+    return out
+
+
+def nonfinite_any(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
+    """0-d bool device tensor: some tensor holds NaN or ±Inf (None for no floating tensor). No host sync.
+
+    On CUDA one fused max-norm per (device, dtype) group (`torch._foreach_norm(ord=inf)`: exact).
+    Elsewhere a float32 sum per tensor (NaN and ±Inf propagate; the CPU max-norm kernel is ~15×
+    slower): only values near 1e32 could overflow a finite tensor's sum into a false alarm.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        t = local(t)  # FSDP2: this rank's shard (a DTensor cannot be reduced locally)
+        if t.is_floating_point() and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    flags = []
+    for (device, _), group in groups.items():
+        if device.type == "cuda":
+            reduced = torch.stack(torch._foreach_norm(group, float("inf")))
+        else:
+            reduced = torch.stack([t.sum(dtype=torch.float32) for t in group])
+        flags.append(~torch.isfinite(reduced).all())
+    if not flags:
+        return None
+    first = flags[0].device
+    return torch.stack([f.to(first) for f in flags]).any()
+
+
+def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+    """Every floating tensor in the optimizer state (e.g. Adam's exp_avg, exp_avg_sq)."""
+    return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+
+
+class StepGuard:
+    """Root-model hooks that keep each forward of the step and check the output every step."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        record: Callable[[str, torch.Tensor], None],
+        check_output: bool,
+        keep_grad: bool,
+    ) -> None:
+        self.record = record
+        self.check_output = check_output
+        self.keep_grad = keep_grad
+        self.forwards: list[KeptForward] = []
+        self.output_bad: torch.Tensor | None = None
+        """Device flag: some output of this step held NaN/+Inf."""
+        self.paused = False
+        """True during a replay: the hooks do nothing."""
+        self.handles: list[RemovableHandle] = [
+            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
+            model.register_forward_hook(self._post_forward, with_kwargs=True),
+        ]
+
+    def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.paused or not torch.is_grad_enabled():
+            return
+        if len(self.forwards) >= MAX_KEPT:  # Monitor.step is not being called: keep the newest only
+            self.forwards.pop(0)
+        cpu, cuda = rng_state()
+        self.forwards.append(KeptForward(args, dict(kwargs), cpu, cuda, autocast_state()))
+
+    def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.paused or not torch.is_grad_enabled() or not self.forwards:
+            return
+        try:
+            out = first_tensor(output)
+        except TypeError:
+            return
+        if self.check_output and out.is_floating_point() and out.numel() > 0:
+            with torch.no_grad():
+                top = out.detach().amax()
+                bad = torch.isnan(top) | torch.isposinf(top)
+            self.output_bad = bad if self.output_bad is None else self.output_bad | bad
+            self.record(OUTPUT_METRIC, bad.float())
+        if self.keep_grad and out.requires_grad:
+            kept = self.forwards[-1]
+
+            def keep(grad: torch.Tensor) -> None:
+                kept.output_grad = grad.detach()
+
+            out.register_hook(keep)
+
+    def release_grads(self) -> None:
+        """Drop the kept output gradients (at the optimizer pre-step hook, after any replay)."""
+        for f in self.forwards:
+            f.output_grad = None
+
+    def end_step(self) -> None:
+        """Forget the step (at Monitor.step)."""
+        self.forwards = []
+        self.output_bad = None
+
+    def detach(self) -> None:
+        """Remove the hooks (safe twice)."""
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        self.end_step()

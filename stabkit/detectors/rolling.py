@@ -1,0 +1,76 @@
+"""`RollingWindow`: the last n host floats of one series, with O(1) mean/std and robust median/MAD.
+
+Used by the host-side detectors when they consume a value (at the log interval, or every step
+when an action needs a per-step decision). Pure Python + numpy; checkpointable.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from typing import Any
+
+import numpy as np
+
+MAD_TO_SIGMA = 1.4826
+"""1 / Φ⁻¹(3/4): scales the median absolute deviation to σ for Gaussian data."""
+
+
+class RollingWindow:
+    """The newest `size` values; running sums for mean/std (re-summed every `size` pushes)."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.values: deque[float] = deque(maxlen=size)
+        self._sum = 0.0
+        self._sq = 0.0
+        self._pushes = 0
+
+    def __len__(self) -> int:
+        return len(self.values)
+
+    def push(self, x: float) -> None:
+        """Append `x` (dropping the oldest when full)."""
+        if len(self.values) == self.size:
+            old = self.values[0]
+            self._sum -= old
+            self._sq -= old * old
+        self.values.append(x)
+        self._sum += x
+        self._sq += x * x
+        self._pushes += 1
+        if self._pushes % self.size == 0:  # bound the drift of the running sums
+            self._sum = math.fsum(self.values)
+            self._sq = math.fsum(v * v for v in self.values)
+
+    def mean_std(self) -> tuple[float, float]:
+        """Mean and (population) standard deviation of the window."""
+        n = len(self.values)
+        if n == 0:
+            return math.nan, math.nan
+        mean = self._sum / n
+        var = max(self._sq / n - mean * mean, 0.0)
+        return mean, math.sqrt(var)
+
+    def median_sigma(self) -> tuple[float, float]:
+        """Median and robust σ (1.4826 × median absolute deviation) of the window."""
+        if not self.values:
+            return math.nan, math.nan
+        arr = np.fromiter(self.values, dtype=np.float64, count=len(self.values))
+        med = float(np.median(arr))
+        return med, MAD_TO_SIGMA * float(np.median(np.abs(arr - med)))
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain, JSON-ready state."""
+        return {"size": self.size, "values": list(self.values), "pushes": self._pushes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore from `state_dict()` output (the window size must match)."""
+        if int(state["size"]) != self.size:
+            raise ValueError(
+                f"rolling window size changed: checkpoint has {state['size']}, config has {self.size}"
+            )
+        self.values = deque((float(v) for v in state["values"]), maxlen=self.size)
+        self._sum = math.fsum(self.values)
+        self._sq = math.fsum(v * v for v in self.values)
+        self._pushes = int(state["pushes"])

@@ -1,0 +1,104 @@
+"""Faults injected on purpose (nan-injection, loss-spike) and autocast for low-precision recipes.
+
+Installed on a variant's model or corpus before training starts; they act at the known step only.
+`StepClock` is advanced by the runner after each completed step, so a detector that replays a step
+sees the fault again (which is what lets it localize the module).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ..data import ByteCorpus
+from .schema import FaultSpec
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class StepClock:
+    """The index of the training step in progress (completed steps so far)."""
+
+    def __init__(self) -> None:
+        self.step = 0
+
+    def active(self, fault: FaultSpec) -> bool:
+        """True while the step in progress lies in the fault's window."""
+        return fault.step <= self.step < fault.step + fault.length
+
+
+def inject_output_fault(model: nn.Module, fault: FaultSpec, clock: StepClock) -> RemovableHandle:
+    """Forward hook that writes one NaN (or Inf) into `fault.module`'s output on the fault's steps
+    (training-mode forwards only). Raises KeyError naming the modules when the path does not exist."""
+    try:
+        module = model.get_submodule(fault.module)
+    except AttributeError:
+        names = [n for n, _ in model.named_modules() if n]
+        raise KeyError(
+            f"fault.module {fault.module!r} is not a module of the model; e.g. {', '.join(names[:8])}, ..."
+        ) from None
+    bad = float("nan") if fault.kind == "nan" else float("inf")
+
+    def hook(mod: nn.Module, args: Any, output: Any) -> Any:
+        if not (mod.training and isinstance(output, torch.Tensor) and clock.active(fault)):
+            return None
+        out = output.clone()
+        out.view(-1)[0] = bad  # one element of (B, T, d) is enough to poison the step
+        return out
+
+    return module.register_forward_hook(hook)
+
+
+class FaultyCorpus:
+    """A corpus whose training batches are random bytes on the fault's steps (a "bad batch").
+
+    The normal batch is still drawn (and thrown away), so the data order after the fault is the
+    same as in a run without it. The random bytes come from their own seeded generator.
+    """
+
+    def __init__(self, corpus: ByteCorpus, fault: FaultSpec, grad_accum: int, seed: int) -> None:
+        self.corpus = corpus
+        self.name = corpus.name
+        self.fault = fault
+        self.grad_accum = grad_accum
+        self.calls = 0
+        self.noise = torch.Generator().manual_seed(seed + 7919)
+
+    def batch(
+        self, split: str, batch_size: int, context: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Like `ByteCorpus.batch`; on the fault's steps the training windows are random bytes."""
+        x, y = self.corpus.batch(split, batch_size, context, generator)
+        if split != "train":
+            return x, y
+        step = self.calls // self.grad_accum
+        self.calls += 1
+        if not self.fault.step <= step < self.fault.step + self.fault.length:
+            return x, y
+        windows = torch.randint(0, 256, (batch_size, context + 1), generator=self.noise)  # (B, T+1)
+        return windows[:, :-1], windows[:, 1:]
+
+
+def autocast_forward(model: nn.Module, precision: str, device: torch.device) -> list[RemovableHandle]:
+    """Run `model`'s forward under autocast to `precision` (bf16 / fp16) by a pre-hook and a hook on
+    the model itself; the backward runs outside autocast, as in a usual AMP loop. fp32: nothing."""
+    if precision == "fp32":
+        return []
+    dtype = DTYPES[precision]
+    if not torch.amp.is_autocast_available(device.type):
+        raise ValueError(f"train.precision = {precision!r}: autocast is not available on {device.type}")
+    stack: list[torch.autocast] = []
+
+    def enter(mod: nn.Module, args: Any) -> None:
+        ctx = torch.autocast(device.type, dtype=dtype)
+        ctx.__enter__()
+        stack.append(ctx)
+
+    def leave(mod: nn.Module, args: Any, output: Any) -> None:
+        if stack:
+            stack.pop().__exit__(None, None, None)
+
+    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]

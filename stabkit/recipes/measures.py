@@ -1,0 +1,117 @@
+"""The numbers a variant is judged by: held-out loss and log Z, a bigram reference, and aggregates
+of the monitored series.
+
+Called in the worker process before and after a variant trains.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Iterable
+from functools import lru_cache
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..data import ByteCorpus, load_corpus
+
+EVAL_SEED = 1234
+"""Seed of the held-out batches: every variant and every evaluation sees the same ones."""
+
+
+@lru_cache(maxsize=4)
+def bigram_loss(data: str | None) -> float:
+    """Held-out loss (nats/byte) of a bigram model counted on the training split (add-0.1 smoothing):
+    the level at or above which a run counts as diverged. 2.317 on the embedded text."""
+    corpus = load_corpus(data)
+    train, val = corpus.train, corpus.val
+    counts = torch.zeros(256, 256, dtype=torch.float64)
+    counts.index_put_(
+        (train[:-1], train[1:]), torch.ones(len(train) - 1, dtype=torch.float64), accumulate=True
+    )
+    probs = (counts + 0.1) / (counts + 0.1).sum(1, keepdim=True)
+    return float(-probs[val[:-1], val[1:]].log().mean())
+
+
+@torch.no_grad()
+def heldout(
+    model: nn.Module, corpus: ByteCorpus, batches: int, batch_size: int, context: int, device: torch.device
+) -> dict[str, float]:
+    """Mean held-out loss, mean log Z and mean |log Z| over `batches` fixed validation batches."""
+    was_training = model.training
+    model.eval()
+    gen = torch.Generator().manual_seed(EVAL_SEED)
+    loss = logz = abs_logz = 0.0
+    for _ in range(batches):
+        x, y = corpus.batch("val", batch_size, context, gen)
+        logits = model(x.to(device)).float()  # (B, T, V)
+        lse = torch.logsumexp(logits, dim=-1)  # (B, T)
+        loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1)))
+        logz += float(lse.mean())
+        abs_logz += float(lse.abs().mean())
+    model.train(was_training)
+    return {"val_loss": loss / batches, "mean_logz": logz / batches, "mean_abs_logz": abs_logz / batches}
+
+
+def best_smoothed(losses: list[float]) -> float:
+    """Lowest moving average of `losses` (window 5 % of the run, at least 1); NaN windows skipped."""
+    if not losses:
+        return math.nan
+    w = max(1, len(losses) // 20)
+    best = math.inf
+    for i in range(len(losses) - w + 1):
+        window = losses[i : i + w]
+        if all(math.isfinite(v) for v in window):
+            best = min(best, sum(window) / w)
+    return best if math.isfinite(best) else math.nan
+
+
+def tail_mean(losses: list[float]) -> float:
+    """Mean of the last 10 % of `losses` (NaN when any of them is not finite)."""
+    if not losses:
+        return math.nan
+    tail = losses[-max(1, len(losses) // 10) :]
+    return sum(tail) / len(tail)
+
+
+def aggregate(history: Iterable[tuple[int, dict[str, float]]], pattern: str, agg: str) -> tuple[float, str]:
+    """`agg` (max, min, mean, first, last) of every logged value whose name matches `pattern`, and
+    the name that gave a max / min. NaN when nothing matched. Non-finite values count for max/min."""
+    values: list[tuple[int, str, float]] = []
+    for step, row in history:
+        for name, value in row.items():
+            if fnmatch.fnmatchcase(name, pattern):
+                values.append((step, name, value))
+    if not values:
+        return math.nan, ""
+    if agg == "first":
+        return values[0][2], values[0][1]
+    if agg == "last":
+        return values[-1][2], values[-1][1]
+    if agg == "mean":
+        finite = [v for _, _, v in values if math.isfinite(v)]
+        return (sum(finite) / len(finite) if finite else math.nan), ""
+    key = (
+        (lambda t: t[2] if not math.isnan(t[2]) else -math.inf)
+        if agg == "max"
+        else (lambda t: t[2] if not math.isnan(t[2]) else math.inf)
+    )
+    chosen = max(values, key=key) if agg == "max" else min(values, key=key)
+    return chosen[2], chosen[1]
+
+
+def monitored(history: list[tuple[int, dict[str, float]]]) -> dict[str, Any]:
+    """The table's monitored quantities: max attention logit (before and after any cap, and where),
+    max log Z."""
+    top, where = aggregate(history, "attn/*/max_logit", "max")
+    capped, _ = aggregate(history, "attn/*/max_logit_capped", "max")
+    logz, _ = aggregate(history, "logits/logz_max", "max")
+    return {
+        "max_attn_logit": top,
+        "max_attn_logit_at": where.removeprefix("attn/").removesuffix("/max_logit"),
+        "max_attn_logit_capped": capped,
+        "max_logz": logz,
+    }

@@ -1,0 +1,138 @@
+"""Run jobs side by side: in worker processes (spawn, one torch thread each) or in this process.
+
+`execute` runs in the parent for the whole command. Workers ignore Ctrl-C; the parent catches it,
+sets a shared stop flag (each worker ends at its next step, logs flushed, status "interrupted"),
+cancels the jobs that have not started and waits for the rest; a second Ctrl-C, or a worker that
+does not stop within `STOP_GRACE_S`, ends the workers at once.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import queue as queue_mod
+import signal
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+import torch
+
+from .worker import Job, Progress, run_job
+
+STOP_GRACE_S = 60.0
+Result = dict[str, Any]
+
+_queue: Any = None
+_stop: Any = None
+
+
+def _init_worker(queue: Any, stop: Any) -> None:
+    """Pool initializer: one torch thread, Ctrl-C left to the parent."""
+    global _queue, _stop
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    torch.set_num_threads(1)
+    _queue, _stop = queue, stop
+
+
+def _work(job: Job) -> Result:
+    return run_job(job, progress=lambda *msg: _queue.put(msg), should_stop=_stop.is_set)
+
+
+def not_run(job: Job, status: str = "not run", error: str = "") -> Result:
+    """The result of a job that never ran (cancelled) or whose process died."""
+    out: Result = {"variant": job.variant, "run": job.name, "status": status, "logdir": job.logdir}
+    if error:
+        out["error"] = error
+    return out
+
+
+def execute(
+    jobs: Sequence[Job],
+    workers: int,
+    on_progress: Progress | None = None,
+    on_result: Callable[[Job, Result], None] | None = None,
+) -> bool:
+    """Run `jobs` with `workers` processes (1: in this process); returns True when interrupted.
+
+    `on_progress(run, status, step, total, loss)` and `on_result(job, result)` are called in this
+    process, results as soon as each job ends, in completion order.
+    """
+    report = on_progress or (lambda *a: None)
+    deliver = on_result or (lambda j, r: None)
+    if workers <= 1 or len(jobs) <= 1:
+        return _in_process(jobs, report, deliver)
+    ctx = mp.get_context("spawn")
+    queue, stop = ctx.Queue(), ctx.Event()
+    interrupted = False
+    executor = ProcessPoolExecutor(
+        min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(queue, stop)
+    )
+    futures: dict[Future[Result], Job] = {executor.submit(_work, job): job for job in jobs}
+    pending = set(futures)
+    deadline = None
+    try:
+        while pending:
+            try:
+                pending = _poll(pending, futures, queue, report, deliver)
+                if deadline is not None and time.monotonic() > deadline:
+                    break
+            except KeyboardInterrupt:
+                if interrupted:  # second Ctrl-C: stop waiting
+                    break
+                interrupted = True
+                stop.set()
+                for f in pending:
+                    if f.cancel():
+                        deliver(futures[f], not_run(futures[f]))
+                pending = {f for f in pending if not f.cancelled()}
+                deadline = time.monotonic() + STOP_GRACE_S
+    finally:
+        if pending:  # workers that did not stop in time
+            for proc in list(getattr(executor, "_processes", {}).values()):  # no public API for this
+                proc.terminate()
+            for f in pending:
+                deliver(futures[f], not_run(futures[f], "interrupted", "worker ended before it reported"))
+        executor.shutdown(wait=True, cancel_futures=True)
+        _drain(queue, report)
+    return interrupted
+
+
+def _poll(
+    pending: set[Future[Result]],
+    futures: dict[Future[Result], Job],
+    queue: Any,
+    report: Progress,
+    deliver: Callable[[Job, Result], None],
+) -> set[Future[Result]]:
+    done, still = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
+    _drain(queue, report)
+    for f in done:
+        job = futures[f]
+        if f.cancelled():
+            continue
+        try:
+            deliver(job, f.result())
+        except Exception as exc:  # the worker process died (BrokenProcessPool) or could not unpickle
+            deliver(job, not_run(job, "failed", f"{type(exc).__name__}: {exc}"))
+    return still
+
+
+def _drain(queue: Any, report: Progress) -> None:
+    while True:
+        try:
+            msg = queue.get_nowait()
+        except (queue_mod.Empty, OSError, ValueError):
+            return
+        report(*msg)
+
+
+def _in_process(jobs: Sequence[Job], report: Progress, deliver: Callable[[Job, Result], None]) -> bool:
+    for i, job in enumerate(jobs):
+        result = run_job(job, progress=report)
+        deliver(job, result)
+        if result["status"] == "interrupted":
+            for rest in jobs[i + 1 :]:
+                deliver(rest, not_run(rest))
+            return True
+    return False

@@ -1,0 +1,179 @@
+"""`run_recipe`: train every variant of a recipe side by side and write ``<out>/summary.json``.
+
+Runs in the CLI's process. The summary is rewritten after each variant ends, with
+``"complete": false`` until every variant has finished, so Ctrl-C or a crash leaves a partial,
+readable summary next to the variants' flushed logs (``<out>/<variant>/``: TensorBoard events and
+``stabkit.jsonl``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from .checks import Check
+from .pool import execute
+from .recipe import Recipe
+from .verdict import judge
+from .worker import Job, Progress
+
+SUMMARY = "summary.json"
+
+
+def all_checks(recipe: Recipe) -> Iterable[Check]:
+    """Every check of the recipe (criteria and per-variant lists)."""
+    yield from recipe.reproduced
+    yield from recipe.fixed
+    for v in recipe.variants:
+        yield from v.fixed or ()
+        yield from v.mechanism
+
+
+def history_checks(recipe: Recipe) -> list[tuple[str, str]]:
+    """(agg, pattern) of the monitored series the checks read (computed in the workers)."""
+    pairs = {(c.agg, c.metric) for c in all_checks(recipe) if c.is_history and c.agg}
+    return sorted((a, m) for a, m in pairs if a is not None)
+
+
+def plan(recipe: Recipe, out: Path, device: str) -> list[Job]:
+    """One job per variant, logging to ``<out>/<variant>``."""
+    checks = history_checks(recipe)
+    return [Job(recipe, v.name, str(out / v.name), device, history_checks=checks) for v in recipe.variants]
+
+
+def criteria(recipe: Recipe) -> tuple[dict[str, list[Check]], dict[str, list[Check]]]:
+    """Per variant: its "fixed" checks (own list or the recipe's default) and its mechanism checks."""
+    fixed = {v.name: list(recipe.fixed if v.fixed is None else v.fixed) for v in recipe.variants}
+    mechanism = {v.name: list(v.mechanism) for v in recipe.variants}
+    return fixed, mechanism
+
+
+def verdicts(recipe: Recipe, results: dict[str, dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Verdicts of the variants with a result, as dicts."""
+    fixed, mechanism = criteria(recipe)
+    order = [v.name for v in recipe.variants]
+    roles = {v.name: v.role for v in recipe.variants}
+    return {
+        n: v.to_dict() for n, v in judge(order, roles, results, recipe.reproduced, fixed, mechanism).items()
+    }
+
+
+def describe(recipe: Recipe, device: str) -> dict[str, Any]:
+    """The run's settings, for the summary header."""
+    return {
+        "recipe": recipe.name,
+        "description": recipe.description,
+        "source": recipe.source,
+        "size": recipe.size,
+        "device": device,
+        "seed": recipe.train.seed,
+        "steps": recipe.train.steps,
+        "data": recipe.data or "embedded (pydoc_data.topics)",
+        "model": recipe.model.to_dict(),
+        "train": asdict(recipe.train),
+        "fault": asdict(recipe.fault) if recipe.fault else None,
+        "expect": recipe.sizes.get(recipe.size, {}),
+        "criteria": {
+            "reproduced": [c.describe() for c in recipe.reproduced],
+            "fixed": {n: [c.describe() for c in cs] for n, cs in criteria(recipe)[0].items()},
+        },
+        "variant_roles": {v.name: v.role for v in recipe.variants},
+    }
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    """Write JSON atomically (a reader never sees half a file); non-finite floats become strings."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_clean(data), indent=2), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {k: _clean(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_clean(v) for v in value]
+    return value
+
+
+def run_recipe(
+    recipe: Recipe,
+    out: str | Path,
+    *,
+    device: str = "cpu",
+    workers: int = 1,
+    on_progress: Progress | None = None,
+    on_update: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Train the baseline and every variant (same seed, same data), judge them, and return the
+    summary (also written to ``<out>/summary.json`` after each variant and at the end)."""
+    out = Path(out)
+    jobs = plan(recipe, out, device)
+    started = time.perf_counter()
+    summary: dict[str, Any] = {
+        "kind": "run",
+        **describe(recipe, device),
+        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "complete": False,
+        "interrupted": False,
+        "variants": {},
+        "verdicts": {},
+    }
+    write_json(out / SUMMARY, summary)
+
+    def on_result(job: Job, result: dict[str, Any]) -> None:
+        summary["variants"][job.variant] = result
+        summary["verdicts"] = verdicts(recipe, summary["variants"])
+        summary["seconds"] = time.perf_counter() - started
+        write_json(out / SUMMARY, summary)
+        if on_update is not None:
+            on_update(summary)
+
+    interrupted = execute(jobs, workers, on_progress, on_result)
+    order = [v.name for v in recipe.variants]
+    summary["variants"] = {n: summary["variants"][n] for n in order if n in summary["variants"]}
+    summary["interrupted"] = interrupted
+    summary["complete"] = not interrupted and all(
+        r.get("status") == "done" for r in summary["variants"].values()
+    )
+    summary["verdicts"] = verdicts(recipe, summary["variants"])
+    summary["seconds"] = time.perf_counter() - started
+    write_json(out / SUMMARY, summary)
+    return summary
+
+
+def preflight(recipe: Recipe) -> None:
+    """Catch mistakes before anything trains: build the model on the meta device (no memory), apply
+    each variant's interventions, and check that the fault's module exists. Raises ValueError."""
+    import torch
+
+    from ..interventions import InterventionError, apply_many
+    from ..models import GPT
+
+    for variant in recipe.variants:
+        with torch.device("meta"):
+            model = GPT(recipe.model)
+        if recipe.fault is not None and recipe.fault.kind in ("nan", "inf"):
+            names = {n for n, _ in model.named_modules()}
+            if recipe.fault.module not in names:
+                examples = ", ".join(sorted(n for n in names if n.count(".") <= 2 and n)[:8])
+                raise ValueError(
+                    f"fault.module {recipe.fault.module!r} is not a module of the model; e.g. {examples}"
+                )
+        if variant.interventions:
+            try:
+                apply_many(model, {k: dict(v) for k, v in variant.interventions.items()})
+            except InterventionError as exc:
+                raise ValueError(f"variants.{variant.name}.interventions: {exc}") from None
+            except Exception:  # some surgery may not run on meta tensors; the worker will tell
+                pass
