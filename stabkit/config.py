@@ -51,6 +51,9 @@ class MonitorConfig:
     """Print a one-line summary per log interval and every event to stderr."""
     detect: DetectConfig | None = field(default_factory=DetectConfig)
     """Detectors and actions (NaN/Inf, spikes, drift, advice; see DetectConfig); None = off."""
+    history: int | None = 1000
+    """Logged steps kept in `Monitor.history` (oldest dropped; None = all, for short runs).
+    The TensorBoard files and the JSONL log always hold every step."""
     audit: bool = True
     """Run `stabkit.audit` once at attach and write its report (TensorBoard text, JSONL)."""
     strict: bool = False
@@ -71,6 +74,10 @@ class MonitorConfig:
                 raise ValueError(
                     f"MonitorConfig.{name} must be None (exact) or an integer >= 1, got {value!r}"
                 )
+        if self.history is not None and (not isinstance(self.history, int) or self.history < 0):
+            raise ValueError(
+                f"MonitorConfig.history must be None (keep all) or an integer >= 0, got {self.history!r}"
+            )
         if self.detect is not None and not isinstance(self.detect, DetectConfig):
             raise ValueError("MonitorConfig.detect must be a stabkit.DetectConfig or None")
         self.families = frozenset(self.families)

@@ -136,8 +136,8 @@ class Monitor:
         self.recorder = Recorder(reducer=reduce_stacked if self.dist.active else None)
         self.metrics: dict[str, float] = {}
         """Newest logged host value of every metric (per-layer ones come from the last sampled step)."""
-        self.history: deque[tuple[int, dict[str, float]]] = deque(maxlen=100_000)
-        """(step, values) of every logged step, oldest first."""
+        self.history: deque[tuple[int, dict[str, float]]] = deque(maxlen=self.config.history)
+        """(step, values) of the last `MonitorConfig.history` logged steps, oldest first."""
         self.events: list[Event] = []
         """Every event detectors reported, in order."""
         self.observers: list[StepObserver] = []

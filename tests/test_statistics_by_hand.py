@@ -140,21 +140,18 @@ def test_sampling_cadence_and_single_host_copy(monkeypatch: pytest.MonkeyPatch) 
     model = reference_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     copies = []
-    real_stack = torch.stack
 
     from stabkit.stats import recorder as rec_mod
 
-    class CountingTorch:
-        def __getattr__(self, name: str) -> Any:
-            return getattr(torch, name)
+    real = rec_mod.to_host
 
-        @staticmethod
-        def stack(ts: list[torch.Tensor]) -> torch.Tensor:
-            copies.append(len(ts))
-            return real_stack(ts)
+    def counting(values: torch.Tensor) -> list[float]:
+        copies.append(values.numel())
+        return real(values)
 
-    monkeypatch.setattr(rec_mod, "torch", CountingTorch())
-    mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(every=3, log_every=6, console=False))
+    monkeypatch.setattr(rec_mod, "to_host", counting)
+    cfg = stabkit.MonitorConfig(every=3, log_every=6, console=False, detect=None)
+    mon = stabkit.attach(model, opt, config=cfg)
     for s in range(12):
         x, y = batch(s)
         loss = lm_loss(model(x), y)

@@ -1,11 +1,16 @@
 """`stabkit run RECIPE`: train the baseline and each intervention side by side, then say whether
-the instability was reproduced and which interventions fixed it."""
+the instability was reproduced and which interventions fixed it.
+
+With ``--nproc N`` (N > 1) the command relaunches itself under torchrun on N local processes;
+each rank then runs the same command as one rank of a data-parallel run (see `nproc.py`).
+"""
 
 from __future__ import annotations
 
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 import click
 import torch
@@ -74,13 +79,18 @@ def shared_options(fn: click.decorators.FC) -> click.decorators.FC:
     return fn
 
 
-def header(recipe: object, device: str, jobs: int, original_steps: int | None) -> str:
-    """One paragraph on what is about to run."""
+def header(recipe: object, device: str, jobs: int, original_steps: int | None, ddp: int = 0) -> str:
+    """One paragraph on what is about to run (`ddp`: processes per variant, when data-parallel)."""
     from ..recipes import Recipe
 
     assert isinstance(recipe, Recipe)
+    procs = (
+        f"DDP over {ddp} processes ({'nccl' if device.startswith('cuda') else 'gloo'})"
+        if ddp > 1
+        else f"{jobs} process(es)"
+    )
     lines = [
-        f"{recipe.name} [{recipe.size}, {device}, seed {recipe.train.seed}, {recipe.train.steps} steps, {jobs} process(es)]"
+        f"{recipe.name} [{recipe.size}, {device}, seed {recipe.train.seed}, {recipe.train.steps} steps, {procs}]"
     ]
     if recipe.description:
         lines.append(f"  {recipe.description}")
@@ -107,6 +117,13 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None) -
     default=None,
     help="Output folder (default: runs/<recipe name>).",
 )
+@click.option(
+    "--nproc",
+    type=click.IntRange(1, 1024),
+    default=None,
+    help="Processes per variant: N > 1 trains each variant with DDP on N local processes under "
+    "torchrun (gloo on CPU, NCCL on CUDA), variants one after another. Default 1.",
+)
 def run_command(
     recipe: str,
     size: str | None,
@@ -116,29 +133,59 @@ def run_command(
     jobs: int | None,
     data: str | None,
     out: str | None,
+    nproc: int | None,
 ) -> None:
     """Train RECIPE's baseline and variants side by side (a path, or a name from `stabkit list recipes`).
 
     Prints a results table and a verdict per variant, writes TensorBoard logs (one folder per
     variant) and OUT/summary.json (rewritten after each variant; "complete": false until the end).
     """
+    from ..distributed import launched_by_torchrun
     from ..recipes import load_recipe, preflight, run_recipe
-    from ..recipes.report import footer, results_table, verdict_lines
+    from ..recipes.ddp import check_split
+    from .nproc import relaunch, run_as_rank
 
+    world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
+    if world > 1 and nproc not in (None, world):
+        raise UserInputError(f"--nproc {nproc}: torchrun already started {world} processes; drop --nproc")
+    procs = world if world > 1 else nproc or 1
+    if procs > 1 and jobs is not None and jobs > 1:
+        raise UserInputError(
+            f"--nproc {procs} trains each variant on {procs} processes, one variant after another; "
+            f"it cannot be combined with --jobs {jobs} (drop --jobs)"
+        )
     loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)
     original = load_recipe(recipe, size).train.steps if steps is not None else None
     preflight(loaded)
     dev = resolve_device(device)
+    out_dir = Path(out or Path("runs") / loaded.name)
+    if procs > 1:
+        check_split(loaded, procs)
+        if world > 1:
+            sys.exit(run_as_rank(loaded, dev, out_dir, original))
+        if dev == "cuda" and procs > torch.cuda.device_count():
+            raise UserInputError(f"--nproc {procs}: only {torch.cuda.device_count()} CUDA device(s) here")
+        args = ["run", recipe, "--device", dev, "--out", str(out_dir)]
+        for flag, value in (("--size", size), ("--steps", steps), ("--seed", seed), ("--data", data)):
+            args += [flag, str(value)] if value is not None else []
+        sys.exit(relaunch(procs, args, out_dir))
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":
         torch.set_num_threads(1)
-    out_dir = Path(out or Path("runs") / loaded.name)
     click.echo(header(loaded, dev, workers, original))
     bars = MultiProgress([v.name for v in loaded.variants], loaded.train.steps)
     try:
         summary = run_recipe(loaded, out_dir, device=dev, workers=workers, on_progress=bars.update)
     finally:
         bars.close()
+    print_results(summary, out_dir)
+    sys.exit(exit_code(summary))
+
+
+def print_results(summary: dict[str, Any], out_dir: Path) -> None:
+    """The results table, the verdicts, notes and where the logs are."""
+    from ..recipes.report import footer, results_table, verdict_lines
+
     notes = sorted({n for r in summary["variants"].values() for n in r.get("notes", [])})
     click.echo("")
     click.echo(results_table(summary))
@@ -151,7 +198,8 @@ def run_command(
     click.echo(
         f"took {summary.get('seconds', 0):.0f} s; summary: {out_dir / 'summary.json'}; view: tensorboard --logdir {out_dir}"
     )
-    if summary["interrupted"]:
-        sys.exit(130)
-    if not summary["complete"]:
-        sys.exit(1)
+
+
+def exit_code(summary: dict[str, Any]) -> int:
+    """130 when interrupted, 1 when some variant did not finish, else 0."""
+    return 130 if summary["interrupted"] else (0 if summary["complete"] else 1)

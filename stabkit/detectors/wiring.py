@@ -48,7 +48,15 @@ class DetectorHandle:
             else None
         )
         replayable = not getattr(getattr(monitor, "dist", None), "active", False)
-        keep_grad = config.keep_output_grad and config.loss_fn is None and config.localize and replayable
+        # the output gradient only serves a replay, and a replay only happens when non-finite values
+        # are decided per step (warn-only decides at the log interval): keep it only then
+        keep_grad = (
+            config.keep_output_grad
+            and config.loss_fn is None
+            and config.localize
+            and replayable
+            and config.needs_sync("nonfinite")
+        )
         self.guard = (
             StepGuard(model, self.record, config.check_output, keep_grad) if config.nonfinite else None
         )

@@ -30,6 +30,22 @@ from .attention_stats import EXACT, HeadStats, Sampling, causal_allowed, head_st
 
 CHUNK_ELEMENTS = 1 << 22
 """Largest temporary (elements) of the chunked full max on the softmax path (16 MiB in float32)."""
+SAMPLE_CHUNK_ELEMENTS = 1 << 15
+"""Logits materialised at once (in batch rows, at least one) when measuring q/k calls: the probe
+often runs near the end of the forward pass, where memory peaks, so its temporaries stay small."""
+
+
+def _row_chunks(n_rows: int, per_row: int) -> list[slice]:
+    """Consecutive slices of `n_rows` batch rows with about SAMPLE_CHUNK_ELEMENTS logits each."""
+    step = max(1, SAMPLE_CHUNK_ELEMENTS // max(per_row, 1))
+    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
+
+
+def _merge(a: HeadStats | None, b: HeadStats) -> HeadStats:
+    """Per-head statistics of two disjoint sets of rows."""
+    if a is None:
+        return b
+    return HeadStats(torch.maximum(a.max_logit, b.max_logit), a.entropy_sum + b.entropy_sum, a.rows + b.rows)
 
 
 def measure(call: QKCall | LogitsCall, sampling: Sampling = EXACT, cap: float | None = None) -> HeadStats:
@@ -63,16 +79,31 @@ def _measure_qk(call: QKCall, sampling: Sampling, cap: float | None) -> HeadStat
     q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
     batch, n_q, n_k = max(q.shape[0], k.shape[0]), q.shape[2], k.shape[2]
     rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
-    logits = logits_of(take(q, rows, queries), take(k, rows, slice(None)), call.scale)  # (b, H, l, S)
+    q_s, k_s = take(q, rows, queries), take(k, rows, slice(None))  # (b, H, l, E), (b, Hkv, S, E)
     allowed = None if call.allowed is None else take(call.allowed, rows, queries)
     if call.causal:
-        allowed = _and(allowed, causal_allowed(queries, n_q, n_k, logits.device))
+        allowed = _and(allowed, causal_allowed(queries, n_q, n_k, q.device))
     bias = None if call.bias is None else take(call.bias, rows, queries).float()
-    stats = head_stats(logits, allowed, bias, cap)
+    n_rows = max(q_s.shape[0], k_s.shape[0])
+    stats: HeadStats | None = None
+    for part in _row_chunks(n_rows, q_s.shape[1] * q_s.shape[2] * n_k):
+        q_part, k_part = _rows(q_s, part), _rows(k_s, part)
+        assert q_part is not None and k_part is not None
+        logits = logits_of(q_part, k_part, call.scale)  # (c, H, l, S)
+        part_stats = head_stats(logits, _rows(allowed, part), _rows(bias, part), cap)
+        stats = _merge(stats, part_stats)
+    assert stats is not None
     per_row = candidates_per_row(sampling, batch, n_q)
     if per_row and q.shape[0] == k.shape[0]:
         stats.max_logit = torch.maximum(stats.max_logit, candidate_max(call, per_row))
     return stats
+
+
+def _rows(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
+    """Batch rows `part` of `t` (a size-1 batch dim broadcasts and stays whole)."""
+    if t is None or t.shape[0] == 1:
+        return t
+    return t[part]
 
 
 def candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
@@ -90,17 +121,23 @@ def candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
         score = score * prefix.repeat_interleave(heads // k.shape[1], dim=1)
     idx = score.topk(per_row, dim=-1).indices  # (B, H, m)
     chosen = q.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, m, E)
-    logits = logits_of(chosen, k, call.scale)  # (B, H, m, S)
-    allowed: torch.Tensor | None = None
-    if call.allowed is not None:
-        full = call.allowed.expand(batch, heads, n_q, n_k)
-        allowed = full.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, n_k))  # (B, H, m, S)
-    if call.causal:
-        allowed = _and(allowed, torch.arange(n_k, device=q.device) <= idx.unsqueeze(-1))
-    mag = logits.abs()
-    if allowed is not None:
-        mag = torch.where(allowed, mag, 0.0)
-    return mag.amax(dim=(0, 2, 3))  # (H,)
+    full = None if call.allowed is None else call.allowed.expand(batch, heads, n_q, n_k)
+    out: torch.Tensor | None = None
+    for part in _row_chunks(batch, heads * per_row * n_k):
+        logits = logits_of(chosen[part], k[part], call.scale)  # (c, H, m, S)
+        part_idx = idx[part].unsqueeze(-1)  # (c, H, m, 1)
+        allowed: torch.Tensor | None = None
+        if full is not None:
+            allowed = full[part].gather(2, part_idx.expand(-1, -1, -1, n_k))  # (c, H, m, S)
+        if call.causal:
+            allowed = _and(allowed, torch.arange(n_k, device=q.device) <= part_idx)
+        mag = logits.abs()
+        if allowed is not None:
+            mag = torch.where(allowed, mag, 0.0)
+        m = mag.amax(dim=(0, 2, 3))  # (H,)
+        out = m if out is None else torch.maximum(out, m)
+    assert out is not None
+    return out
 
 
 def _measure_logits(x: torch.Tensor, sampling: Sampling, cap: float | None) -> HeadStats:

@@ -1,4 +1,5 @@
-"""Run jobs side by side: in worker processes (spawn, one torch thread each) or in this process.
+"""Run jobs side by side: in worker processes (spawn, one torch thread each) or in this process
+(one after another; also each rank of a data-parallel run, where every rank runs every job).
 
 `execute` runs in the parent for the whole command. Workers ignore Ctrl-C; the parent catches it,
 sets a shared stop flag (each worker ends at its next step, logs flushed, status "interrupted"),
@@ -52,16 +53,19 @@ def execute(
     workers: int,
     on_progress: Progress | None = None,
     on_result: Callable[[Job, Result], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
 ) -> bool:
     """Run `jobs` with `workers` processes (1: in this process); returns True when interrupted.
 
     `on_progress(run, status, step, total, loss)` and `on_result(job, result)` are called in this
-    process, results as soon as each job ends, in completion order.
+    process, results as soon as each job ends, in completion order. `should_stop` (in this process
+    only) is asked after each step; when it says yes the job ends as on Ctrl-C. Data-parallel jobs
+    (`Job.ddp`) always run in this process.
     """
     report = on_progress or (lambda *a: None)
     deliver = on_result or (lambda j, r: None)
-    if workers <= 1 or len(jobs) <= 1:
-        return _in_process(jobs, report, deliver)
+    if workers <= 1 or len(jobs) <= 1 or any(job.ddp for job in jobs):
+        return _in_process(jobs, report, deliver, should_stop)
     ctx = mp.get_context("spawn")
     queue, stop = ctx.Queue(), ctx.Event()
     interrupted = False
@@ -127,9 +131,14 @@ def _drain(queue: Any, report: Progress) -> None:
         report(*msg)
 
 
-def _in_process(jobs: Sequence[Job], report: Progress, deliver: Callable[[Job, Result], None]) -> bool:
+def _in_process(
+    jobs: Sequence[Job],
+    report: Progress,
+    deliver: Callable[[Job, Result], None],
+    should_stop: Callable[[], bool] | None,
+) -> bool:
     for i, job in enumerate(jobs):
-        result = run_job(job, progress=report)
+        result = run_job(job, progress=report, should_stop=should_stop)
         deliver(job, result)
         if result["status"] == "interrupted":
             for rest in jobs[i + 1 :]:

@@ -1,6 +1,8 @@
 """`run_recipe`: train every variant of a recipe side by side and write ``<out>/summary.json``.
 
-Runs in the CLI's process. The summary is rewritten after each variant ends, with
+Runs in the CLI's process; under `stabkit run --nproc N` in every rank's process, where each variant
+trains with DDP on all ranks at once, one variant after another, and only rank 0 writes the summary
+(every rank computes the same one). The summary is rewritten after each variant ends, with
 ``"complete": false`` until every variant has finished, so Ctrl-C or a crash leaves a partial,
 readable summary next to the variants' flushed logs (``<out>/<variant>/``: TensorBoard events and
 ``stabkit.jsonl``).
@@ -9,7 +11,6 @@ readable summary next to the variants' flushed logs (``<out>/<variant>/``: Tenso
 from __future__ import annotations
 
 import json
-import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -18,6 +19,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from ..distributed import SINGLE, DistContext
+from ..sinks.jsonl import json_safe
 from .checks import Check
 from .pool import execute
 from .recipe import Recipe
@@ -42,10 +45,13 @@ def history_checks(recipe: Recipe) -> list[tuple[str, str]]:
     return sorted((a, m) for a, m in pairs if a is not None)
 
 
-def plan(recipe: Recipe, out: Path, device: str) -> list[Job]:
-    """One job per variant, logging to ``<out>/<variant>``."""
+def plan(recipe: Recipe, out: Path, device: str, ddp: bool = False) -> list[Job]:
+    """One job per variant, logging to ``<out>/<variant>`` (data-parallel jobs when `ddp`)."""
     checks = history_checks(recipe)
-    return [Job(recipe, v.name, str(out / v.name), device, history_checks=checks) for v in recipe.variants]
+    return [
+        Job(recipe, v.name, str(out / v.name), device, history_checks=checks, ddp=ddp)
+        for v in recipe.variants
+    ]
 
 
 def criteria(recipe: Recipe) -> tuple[dict[str, list[Check]], dict[str, list[Check]]]:
@@ -65,9 +71,10 @@ def verdicts(recipe: Recipe, results: dict[str, dict[str, Any]]) -> dict[str, di
     }
 
 
-def describe(recipe: Recipe, device: str) -> dict[str, Any]:
+def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[str, Any]:
     """The run's settings, for the summary header."""
     return {
+        "processes": dist.world_size,
         "recipe": recipe.name,
         "description": recipe.description,
         "source": recipe.source,
@@ -92,18 +99,8 @@ def write_json(path: Path, data: dict[str, Any]) -> None:
     """Write JSON atomically (a reader never sees half a file); non-finite floats become strings."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_clean(data), indent=2), encoding="utf-8")
+    tmp.write_text(json.dumps(json_safe(data), indent=2), encoding="utf-8")
     os.replace(tmp, path)
-
-
-def _clean(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
-    return value
 
 
 def run_recipe(
@@ -114,32 +111,45 @@ def run_recipe(
     workers: int = 1,
     on_progress: Progress | None = None,
     on_update: Callable[[dict[str, Any]], None] | None = None,
+    dist: DistContext = SINGLE,
+    should_stop: Callable[[], bool] | None = None,
 ) -> dict[str, Any]:
     """Train the baseline and every variant (same seed, same data), judge them, and return the
-    summary (also written to ``<out>/summary.json`` after each variant and at the end)."""
+    summary (also written to ``<out>/summary.json`` after each variant and at the end).
+
+    With an active `dist` (this process is one rank of a torchrun job, process group initialised)
+    every variant trains with DDP over all ranks, `workers` is ignored, and only rank 0 writes.
+    `should_stop` is asked after each step (in the data-parallel case the ranks agree on it).
+    """
     out = Path(out)
-    jobs = plan(recipe, out, device)
+    jobs = plan(recipe, out, device, ddp=dist.active)
+    workers = 1 if dist.active else workers
     started = time.perf_counter()
+
+    def save() -> None:
+        if dist.writes:
+            write_json(out / SUMMARY, summary)
+
     summary: dict[str, Any] = {
         "kind": "run",
-        **describe(recipe, device),
+        **describe(recipe, device, dist),
         "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "complete": False,
         "interrupted": False,
         "variants": {},
         "verdicts": {},
     }
-    write_json(out / SUMMARY, summary)
+    save()
 
     def on_result(job: Job, result: dict[str, Any]) -> None:
         summary["variants"][job.variant] = result
         summary["verdicts"] = verdicts(recipe, summary["variants"])
         summary["seconds"] = time.perf_counter() - started
-        write_json(out / SUMMARY, summary)
+        save()
         if on_update is not None:
             on_update(summary)
 
-    interrupted = execute(jobs, workers, on_progress, on_result)
+    interrupted = execute(jobs, workers, on_progress, on_result, should_stop)
     order = [v.name for v in recipe.variants]
     summary["variants"] = {n: summary["variants"][n] for n in order if n in summary["variants"]}
     summary["interrupted"] = interrupted
@@ -148,7 +158,7 @@ def run_recipe(
     )
     summary["verdicts"] = verdicts(recipe, summary["variants"])
     summary["seconds"] = time.perf_counter() - started
-    write_json(out / SUMMARY, summary)
+    save()
     return summary
 
 

@@ -18,13 +18,14 @@ from ..events import Event
 LOG_NAME = "stabkit.jsonl"
 
 
-def _clean(value: Any) -> Any:
+def json_safe(value: Any) -> Any:
+    """`value` with non-finite floats as the strings "nan", "inf", "-inf" (valid JSON), recursively."""
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
     if isinstance(value, dict):
-        return {k: _clean(v) for k, v in value.items()}
+        return {k: json_safe(v) for k, v in value.items()}
     if isinstance(value, list | tuple):
-        return [_clean(v) for v in value]
+        return [json_safe(v) for v in value]
     return value
 
 
@@ -54,7 +55,7 @@ class JsonlSink:
     def _write(self, obj: dict[str, Any], sync: bool = False) -> None:
         if self._fh.closed:
             return
-        self._fh.write(json.dumps(_clean(obj)) + "\n")
+        self._fh.write(json.dumps(json_safe(obj)) + "\n")
         self._fh.flush()
         if sync:
             os.fsync(self._fh.fileno())

@@ -37,7 +37,8 @@ class Recorder:
         self.reducer = reducer
         """Called by `drain` on each device's stacked values before the host copy (cross-rank reduce)."""
         self._current: dict[str, _Slot] = {}
-        self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._pending: list[tuple[int, list[tuple[tuple[str, ...], torch.Tensor]]]] = []
+        self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.reductions: dict[str, Reduction] = {}
         """Cross-rank reduction declared by each metric name seen so far."""
 
@@ -72,11 +73,21 @@ class Recorder:
         return None if slot is None else _finish(slot)
 
     def commit(self, step: int) -> dict[str, torch.Tensor]:
-        """Close the current step: its statistics join the pending interval. Returns them (device)."""
+        """Close the current step: its statistics join the pending interval, packed into one 1-d
+        tensor per device (one object per step instead of hundreds of 0-d tensors, which cost memory
+        between log intervals). Returns the step's values as 0-d device tensors (for observers)."""
         values = {name: _finish(slot) for name, slot in self._current.items()}
         self._current = {}
         if values:
-            self._pending.append((step, values))
+            by_device: dict[torch.device, list[str]] = {}
+            for name, t in values.items():
+                by_device.setdefault(t.device, []).append(name)
+            groups = []
+            for names in by_device.values():
+                key = tuple(names)
+                key = self._names.setdefault(key, key)  # steps with the same metrics share one tuple
+                groups.append((key, torch.stack([values[n] for n in key])))
+            self._pending.append((step, groups))
         return values
 
     def discard_current(self) -> None:
@@ -92,28 +103,35 @@ class Recorder:
         """Copy every pending step to the host in one transfer per device; returns (step, values) pairs."""
         if not self._pending:
             return []
-        by_device: dict[torch.device, list[torch.Tensor]] = {}
+        packs: dict[torch.device, list[torch.Tensor]] = {}
         names: dict[torch.device, list[str]] = {}
-        for _, values in self._pending:
-            for name, t in values.items():
-                by_device.setdefault(t.device, []).append(t)
-                names.setdefault(t.device, []).append(name)
+        for _, groups in self._pending:
+            for key, packed in groups:
+                packs.setdefault(packed.device, []).append(packed)
+                names.setdefault(packed.device, []).extend(key)
         host: dict[torch.device, list[float]] = {}
-        for dev, ts in by_device.items():
-            stacked = torch.stack(ts)
+        for dev, parts in packs.items():
+            flat = torch.cat(parts)
             if self.reducer is not None:
-                stacked = self.reducer(stacked, [self.reductions.get(n, "mean") for n in names[dev]])
-            host[dev] = stacked.cpu().tolist()  # sync point: the one host copy per log interval
+                flat = self.reducer(flat, [self.reductions.get(n, "mean") for n in names[dev]])
+            host[dev] = to_host(flat)
         cursor = dict.fromkeys(host, 0)
         out: list[tuple[int, dict[str, float]]] = []
-        for step, values in self._pending:
+        for step, groups in self._pending:
             row: dict[str, float] = {}
-            for name, t in values.items():
-                row[name] = host[t.device][cursor[t.device]]
-                cursor[t.device] += 1
+            for key, packed in groups:
+                start = cursor[packed.device]
+                row.update(zip(key, host[packed.device][start : start + len(key)]))
+                cursor[packed.device] = start + len(key)
             out.append((step, row))
         self._pending = []
+        self._names = {}
         return out
+
+
+def to_host(values: torch.Tensor) -> list[float]:
+    """The one host copy of a log interval (per device)."""
+    return values.cpu().tolist()  # sync point: once per log interval
 
 
 def _finish(slot: _Slot) -> torch.Tensor:

@@ -6,8 +6,9 @@ import math
 
 import torch
 
-CHUNK_ELEMENTS = 1 << 18
-"""Elements per chunk of the log Z reduction: bounds its temporary to ~1 MB (fp32) at any vocabulary."""
+LOGZ_CHUNKS = 64
+"""The log Z reduction runs over at most this many row chunks: its temporaries stay ~1/32 of the
+logits' size (the logits themselves are resident anyway), with few kernel launches."""
 
 
 def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,14 +49,13 @@ def l2_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
 def logit_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(max |logit|, mean log Z, max log Z) over the last (vocabulary) dimension, float32 on device.
 
-    log Z = logsumexp is computed over row chunks of at most CHUNK_ELEMENTS elements, so the
-    temporary stays small even for large vocabularies (the probe runs at the end of the forward
-    pass, where memory peaks).
+    log Z = logsumexp is computed over LOGZ_CHUNKS row chunks, so its temporaries stay a small
+    fraction of the logits (the probe runs at the end of the forward pass, where memory peaks).
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
     lo, hi = torch.aminmax(flat)
     max_abs = torch.maximum(hi, -lo).float()
-    rows = max(1, CHUNK_ELEMENTS // max(1, flat.shape[1]))
+    rows = max(1, -(-flat.shape[0] // LOGZ_CHUNKS))  # ceil
     total = torch.zeros((), device=flat.device)
     peak = torch.full((), -math.inf, device=flat.device)
     for start in range(0, flat.shape[0], rows):
