@@ -63,26 +63,19 @@ def cpu_memory_overheads(cfg: Any) -> tuple[dict[str, int | None], int]:
     return out, noise
 
 
-def _warm_up(tmp: str) -> None:
-    """Run the full-detail monitor once on a throwaway model, in every variant, so the libraries'
-    one-time costs (imports, first use of each kernel) are the same everywhere and only the memory
-    that comes with the measured model differs."""
-    from ..models import GPT, GPTConfig
+def _warm_up(cfg: Any, tmp: str) -> None:
+    """Train a throwaway copy of the measured model for two steps under the full-detail monitor, in
+    every variant, so the libraries' one-time costs (imports, kernels' first use at these shapes)
+    are the same everywhere and only the memory the monitoring keeps or adds during training differs."""
     from ..monitor import attach
-    from .runner import monitor_config
+    from .runner import BenchConfig, _Trainer, make_batches, monitor_config
 
-    model = GPT(GPTConfig(d_model=16, n_layers=1, n_heads=2, context=8, vocab_size=32))
-    opt = torch.optim.AdamW(model.parameters())
+    throwaway = _Trainer(BenchConfig(**{**vars(cfg), "seed": cfg.seed + 1}), make_batches(cfg, n=2))
     mcfg = monitor_config("full")
     assert mcfg is not None
-    mon = attach(model, opt, logdir=tmp, config=mcfg)
-    for _ in range(2):
-        idx = torch.randint(0, 32, (2, 8))
-        torch.nn.functional.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
-        opt.step()
-        mon.step()
-        opt.zero_grad()
-    mon.detach()
+    throwaway.monitor = attach(throwaway.model, throwaway.opt, logdir=tmp, config=mcfg)
+    throwaway.run(2)
+    throwaway.monitor.detach()
 
 
 def _main(payload: str, variant: str) -> None:
@@ -90,9 +83,9 @@ def _main(payload: str, variant: str) -> None:
     from .runner import BenchConfig, _Trainer, make_batches, monitor_config
 
     torch.set_num_threads(1)
-    with tempfile.TemporaryDirectory(prefix="stabkit-bench-warm-") as warm:
-        _warm_up(warm)
     cfg = BenchConfig(**json.loads(payload))
+    with tempfile.TemporaryDirectory(prefix="stabkit-bench-warm-") as warm:
+        _warm_up(cfg, warm)
     trainer = _Trainer(cfg, make_batches(cfg))
     with tempfile.TemporaryDirectory(prefix="stabkit-bench-mem-") as tmp:
         mcfg = monitor_config(variant)
