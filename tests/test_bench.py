@@ -32,7 +32,8 @@ def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
         assert rows[name]["ratio_to_bare"] == pytest.approx(
             rows[name]["median_step_s"] / rows["bare"]["median_step_s"]
         )
-        assert rows[name]["memory_overhead_bytes"] is not None
+        assert rows[name]["memory_overhead_bytes"] is not None  # peak tensor memory delta
+        assert rows[name]["rss_overhead_bytes"] is not None
     assert data["model_bytes"] > 0
 
 

@@ -1,4 +1,9 @@
-"""CPU memory overhead: peak resident set size of a fresh process per variant.
+"""CPU memory overhead, measured in a fresh process per variant, two ways:
+
+- *tensor memory* (what the budget is judged on, the CPU analogue of CUDA's max_memory_allocated):
+  the peak of the torch profiler's memory timeline over a few profiled steps;
+- *resident set size*: the process's peak RSS, which also counts Python objects (sinks, history,
+  detector state) — shown beside it.
 
 Runs once per variant as `python -m stabkit.bench.memory '<json BenchConfig>' <variant>`; the
 parent compares each variant's peak RSS with the bare loop's. The child runs with glibc's mmap
@@ -37,8 +42,28 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
-def measure_in_subprocess(cfg: Any, variant: str) -> int:
-    """Peak RSS in bytes of a fresh process that trains `variant` for warmup + steps steps."""
+PROFILED_STEPS = 3
+"""Steps traced by the profiler for the tensor-memory peak."""
+
+
+def peak_tensor_bytes(run_steps: Any, steps: int) -> int:
+    """Peak bytes of live CPU tensors while `run_steps(steps)` runs (torch profiler memory timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(
+        activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True, with_stack=True
+    ) as prof:
+        run_steps(steps)
+    with tempfile.TemporaryDirectory(prefix="stabkit-bench-timeline-") as tmp:
+        path = os.path.join(tmp, "timeline.json")
+        prof.export_memory_timeline(path, device="cpu")
+        with open(path, encoding="utf-8") as fh:
+            _, sizes = json.load(fh)[:2]
+    return int(max((sum(row) for row in sizes), default=0))
+
+
+def measure_in_subprocess(cfg: Any, variant: str) -> tuple[int, int]:
+    """(peak RSS, peak tensor bytes) of a fresh process that trains `variant`."""
     payload = json.dumps({k: v for k, v in asdict(cfg).items() if k != "variants"})
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
@@ -49,18 +74,23 @@ def measure_in_subprocess(cfg: Any, variant: str) -> int:
         timeout=1800,
         env=env,
     )
-    return int(proc.stdout.strip().splitlines()[-1])
+    rss, tensors = proc.stdout.strip().splitlines()[-1].split()
+    return int(rss), int(tensors)
 
 
-def cpu_memory_overheads(cfg: Any) -> tuple[dict[str, int | None], int]:
-    """(overhead per variant in bytes, noise = |bare − bare again|)."""
+def cpu_memory_overheads(cfg: Any) -> dict[str, dict[str, int | None]]:
+    """Per method ('tensor', 'rss'): overhead per variant in bytes, and 'noise' = |bare − bare again|."""
     bare = measure_in_subprocess(cfg, "bare")
-    noise = abs(measure_in_subprocess(cfg, "bare") - bare)
-    out: dict[str, int | None] = {"bare": 0}
+    again = measure_in_subprocess(cfg, "bare")
+    out: dict[str, dict[str, int | None]] = {
+        "rss": {"bare": 0, "noise": abs(again[0] - bare[0])},
+        "tensor": {"bare": 0, "noise": abs(again[1] - bare[1])},
+    }
     for v in cfg.variants:
         if v != "bare":
-            out[v] = measure_in_subprocess(cfg, v) - bare
-    return out, noise
+            rss, tensors = measure_in_subprocess(cfg, v)
+            out["rss"][v], out["tensor"][v] = rss - bare[0], tensors - bare[1]
+    return out
 
 
 def _warm_up(cfg: Any, tmp: str) -> None:
@@ -91,10 +121,13 @@ def _main(payload: str, variant: str) -> None:
         mcfg = monitor_config(variant)
         if mcfg is not None:
             trainer.monitor = attach(trainer.model, trainer.opt, logdir=tmp, config=mcfg)
-        trainer.run(cfg.warmup + cfg.steps, anomaly=variant == "anomaly")
+        anomaly = variant == "anomaly"
+        trainer.run(cfg.warmup + cfg.steps, anomaly=anomaly)
+        rss = peak_rss_bytes()  # before profiling: the profiler's own records would count
+        tensors = peak_tensor_bytes(lambda n: trainer.run(n, anomaly=anomaly), PROFILED_STEPS)
         if trainer.monitor is not None:
             trainer.monitor.detach()
-    print(peak_rss_bytes())
+    print(rss, tensors)
 
 
 if __name__ == "__main__":

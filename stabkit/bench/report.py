@@ -20,11 +20,15 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
     )
     lines = [
         head,
-        f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'cpu x':>7} {'memory':>18}  budget ({judged} ratio)",
+        f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'cpu x':>7} {'memory':>20}"
+        + (f" {'rss':>10}" if result.memory_rss else "")
+        + f"  budget ({judged} ratio)",
     ]
     for name, v in result.variants.items():
         mem = result.memory.get(name)
-        mem_txt = "-" if mem is None else f"{mem / 2**20:+.2f} MiB ({mem / result.model_bytes:+.1%})"
+        mem_txt = "-" if mem is None else f"{_size(mem)} ({mem / result.model_bytes:+.2%})"
+        rss = result.memory_rss.get(name)
+        rss_txt = (" " + f"{_size(rss) if rss is not None else '-':>10}") if result.memory_rss else ""
         verdict = ""
         if name in BUDGET:
             ok = result.budget_ratio(name) <= BUDGET[name]
@@ -33,10 +37,12 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
                 verdict += f", memory {memory_verdict(mem, result.model_bytes, noise)}"
         lines.append(
             f"{name:<9} {v.median * 1e3:>10.2f} {min(v.step_times) * 1e3:>8.2f}-{max(v.step_times) * 1e3:<8.2f} "
-            f"{result.ratio(name):>7.3f} {result.cpu_ratio(name):>7.3f} {mem_txt:>18}  {verdict}"
+            f"{result.ratio(name):>7.3f} {result.cpu_ratio(name):>7.3f} {mem_txt:>20}{rss_txt}  {verdict}"
         )
     if result.memory_method:
-        extra = f"; noise ±{noise / 2**20:.2f} MiB (bare measured twice)" if noise is not None else ""
+        extra = (
+            f"; memory noise ±{_size(noise, sign=False)} (bare measured twice)" if noise is not None else ""
+        )
         lines.append(f"memory: {result.memory_method}{extra}")
     return "\n".join(lines)
 
@@ -49,3 +55,11 @@ def memory_verdict(overhead: int, model_bytes: int, noise: int | None) -> str:
     if noise is not None and overhead <= allowed + noise:
         return "within noise"
     return "OVER"
+
+
+def _size(n: int, sign: bool = True) -> str:
+    """Bytes as KiB below 1 MiB, else MiB."""
+    fmt = "+" if sign else ""
+    if abs(n) < 2**20:
+        return f"{n / 2**10:{fmt}.1f} KiB"
+    return f"{n / 2**20:{fmt}.2f} MiB"

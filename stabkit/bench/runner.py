@@ -96,6 +96,8 @@ class BenchResult:
     memory: dict[str, int | None] = field(default_factory=dict)
     """Memory overhead per variant in bytes (CUDA max allocated delta, or CPU peak RSS delta)."""
     memory_method: str = ""
+    memory_rss: dict[str, int | None] = field(default_factory=dict)
+    """CPU only: peak RSS delta per variant (counts Python objects too), shown beside `memory`."""
 
     def ratio(self, name: str) -> float:
         """Wall-clock ratio of medians against bare."""
@@ -120,6 +122,7 @@ class BenchResult:
                 "median_cpu_step_s": v.cpu_median,
                 "cpu_ratio_to_bare": self.cpu_ratio(name),
                 "memory_overhead_bytes": self.memory.get(name),
+                "rss_overhead_bytes": self.memory_rss.get(name),
                 "memory_overhead_fraction": (
                     None if self.memory.get(name) is None else self.memory[name] / self.model_bytes  # type: ignore[operator]
                 ),

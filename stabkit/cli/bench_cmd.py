@@ -23,7 +23,7 @@ from .app import main
 @click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Interleaved rounds.")
 @click.option("--bf16", is_flag=True, help="bf16 autocast (CUDA).")
 @click.option("--variants", default="bare,default,full,anomaly", show_default=True, help="Comma-separated.")
-@click.option("--no-memory", is_flag=True, help="Skip the CPU peak-RSS subprocesses.")
+@click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
 @click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results here."
 )
@@ -54,8 +54,14 @@ def bench(
         result = run_bench(cfg, progress=bar)
     noise = None
     if device == "cpu" and not no_memory:
-        result.memory, noise = cpu_memory_overheads(cfg)
-        result.memory_method = "CPU peak RSS delta of a fresh process per variant against bare"
+        measured = cpu_memory_overheads(cfg)
+        noise = measured["tensor"].pop("noise")
+        rss_noise = measured["rss"].pop("noise")
+        result.memory, result.memory_rss = measured["tensor"], measured["rss"]
+        result.memory_method = (
+            "CPU peak tensor memory (torch profiler memory timeline, fresh process per variant) against bare; "
+            f"rss = peak resident set size delta, incl. Python objects (noise ±{(rss_noise or 0) / 2**20:.2f} MiB)"
+        )
     click.echo(format_table(result, noise))
     if json_path:
         data = result.to_dict()
