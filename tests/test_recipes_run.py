@@ -140,3 +140,16 @@ def test_aggregate_checks_are_computed_in_the_worker(tmp_path: Path) -> None:
     r = run_job(job)
     expected = aggregate(history(tmp_path / "cap"), "logits/max_abs", "max")[0]
     assert r["aggregates"]["max(logits/max_abs)"] == pytest.approx(expected) and expected <= 30.0 + 1e-4
+
+
+def test_a_second_run_replaces_the_first_runs_logs(tmp_path: Path) -> None:
+    recipe = load_recipe("attention-logit-growth", "tiny", steps=6)
+    recipe.variants = recipe.variants[:1]
+    (tmp_path / "baseline").mkdir()
+    (tmp_path / "baseline" / "notes.txt").write_text("mine")
+    for _ in range(2):
+        run_recipe(recipe, tmp_path, workers=1)
+    assert [s for s, _ in history(tmp_path / "baseline")] == list(range(6))  # not 0..5 twice
+    event_files = [p for p in (tmp_path / "baseline").iterdir() if p.name.startswith("events.out.tfevents")]
+    assert len(event_files) == 1
+    assert (tmp_path / "baseline" / "notes.txt").read_text() == "mine"  # other files stay

@@ -39,6 +39,22 @@ def all_checks(recipe: Recipe) -> Iterable[Check]:
         yield from v.mechanism
 
 
+def clear_previous_logs(jobs: Iterable[Job]) -> None:
+    """Remove what an earlier run of the same recipe left in each job's log folder (stabkit's JSONL
+    log, TensorBoard event files, dumps), so reports and charts show this run only. Other files stay."""
+    import shutil
+
+    for job in jobs:
+        folder = Path(job.logdir)
+        if not folder.is_dir():
+            continue
+        for path in folder.iterdir():
+            if path.name == "stabkit.jsonl" or path.name.startswith("events.out.tfevents."):
+                path.unlink()
+            elif path.name == "stabkit-dumps" and path.is_dir():
+                shutil.rmtree(path)
+
+
 def history_checks(recipe: Recipe) -> list[tuple[str, str]]:
     """(agg, pattern) of the monitored series the checks read (computed in the workers)."""
     pairs = {(c.agg, c.metric) for c in all_checks(recipe) if c.is_history and c.agg}
@@ -123,6 +139,8 @@ def run_recipe(
     """
     out = Path(out)
     jobs = plan(recipe, out, device, ddp=dist.active)
+    if dist.writes:
+        clear_previous_logs(jobs)
     workers = 1 if dist.active else workers
     started = time.perf_counter()
 

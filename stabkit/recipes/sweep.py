@@ -27,7 +27,7 @@ from typing import Any
 
 from .pool import execute
 from .recipe import Recipe
-from .runner import describe, history_checks, write_json
+from .runner import clear_previous_logs, describe, history_checks, write_json
 from .verdict import judge
 from .worker import Job, Progress
 
@@ -122,6 +122,7 @@ def run_sweep(
         for lr in grid
         for v in variants
     ]
+    clear_previous_logs(jobs)
     runs: dict[str, dict[float, dict[str, Any]]] = {v.name: {} for v in variants}
     started = time.perf_counter()
     summary: dict[str, Any] = {
