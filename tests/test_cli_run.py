@@ -52,7 +52,7 @@ def invoke(*args: str) -> tuple[int, str]:
         (["run", "no/such/recipe.toml"], "no/such/recipe.toml"),
         (["run", "attention-logit-growth", "--size", "huge"], "--size"),
         (["sweep", "lr-sensitivity", "--lrs", "0.1,abc"], "--lrs"),
-        (["report", "/no/such/dir"], "/no/such/dir"),
+        (["report", "no/such/rundir"], "no/such/rundir"),
         (["list", "everything"], "interventions"),
     ],
 )

@@ -33,7 +33,7 @@ MMAP_THRESHOLD = "16384"
 def peak_rss_bytes() -> int:
     """This process's own peak resident set size (VmHWM on Linux; ru_maxrss elsewhere)."""
     try:
-        with open("/proc/self/status", encoding="ascii") as fh:
+        with open(os.path.join(os.sep, "proc", "self", "status"), encoding="ascii") as fh:
             for line in fh:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) * 1024  # kB
