@@ -12,6 +12,7 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
+from ..interventions.registry import REGISTRY
 from .format import compact_paths, evidence_text, markdown_table, text_table
 
 if TYPE_CHECKING:
@@ -20,14 +21,7 @@ if TYPE_CHECKING:
 Severity = Literal["risk", "note"]
 SEVERITIES: tuple[str, ...] = ("risk", "note")
 
-INTERVENTIONS: tuple[str, ...] = (
-    "z_loss",
-    "qk_norm",
-    "attn_softcap",
-    "logit_softcap",
-    "norm_placement",
-    "rmsnorm",
-)
+INTERVENTIONS: tuple[str, ...] = tuple(REGISTRY)
 """Registry names of `stabkit.interventions` that a fix may name."""
 
 _FIX = re.compile(r"^(?P<name>[a-z_]+)(?:\((?P<opts>[^)]*)\))?$")
