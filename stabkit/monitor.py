@@ -232,10 +232,10 @@ class Monitor:
 
     def _amp_check(self) -> None:
         """With a GradScaler: log the scale, and report a skipped (overflowed) step as `amp/overflow`."""
-        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
-        skipped = grad is not None and grad.skipped
         if self.scaler is None or not self.scaler.is_enabled():
             return
+        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
+        skipped = grad is not None and grad.skipped
         scale = self.scaler._scale
         if scale is not None:
             self.recorder.add("amp/scale", scale.clone())  # update() changes it in place

@@ -8,7 +8,6 @@ host copy (one `.cpu()` per device).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
@@ -63,10 +62,6 @@ class Recorder:
             slot.value = slot.value + value
         slot.count += 1
 
-    def has(self, name: str) -> bool:
-        """True when `name` was recorded in the current step."""
-        return name in self._current
-
     def current(self, name: str) -> torch.Tensor | None:
         """The current step's combined value of `name` (device tensor), if recorded."""
         slot = self._current.get(name)
@@ -89,10 +84,6 @@ class Recorder:
                 groups.append((key, torch.stack([values[n] for n in key])))
             self._pending.append((step, groups))
         return values
-
-    def discard_current(self) -> None:
-        """Forget what was recorded in the current step (e.g. a replayed step)."""
-        self._current = {}
 
     @property
     def pending_steps(self) -> int:
@@ -140,8 +131,3 @@ def _finish(slot: _Slot) -> torch.Tensor:
     if slot.combine == "rms":
         return torch.sqrt(slot.value / slot.count)
     return slot.value
-
-
-def is_finite_number(x: float) -> bool:
-    """True for a finite float (host-side helper for sinks and detectors)."""
-    return math.isfinite(x)
