@@ -54,7 +54,7 @@ def test_hf_gpt2(impl: str) -> None:
     assert mm.family == "hf-gpt2"
     assert mm.block_paths == ["transformer.h.0", "transformer.h.1"]
     a = mm.blocks[0].attention
-    assert a.qkv == "transformer.h.0.attn.c_attn" and a.impl == f"hf:{impl}"
+    assert a.qkv == "transformer.h.0.attn.c_attn" and a.impl == impl
     assert (a.n_heads, a.n_kv_heads, a.head_dim) == (4, 4, 8)
     assert mm.blocks[0].placement == "pre"
     assert [n.path for n in mm.blocks[0].norms] == ["transformer.h.0.ln_1", "transformer.h.0.ln_2"]

@@ -240,6 +240,7 @@ def test_attn_softcap_eager_caps_only_unmasked_entries() -> None:
     paths = [f"model.layers.{i}.self_attn" for i in range(2)]
     inner = attach_scope(model, paths, dict.fromkeys(SOFTMAXES, record(raw)), outer=False)
     apply(model, "attn_softcap", cap=0.3)
+    raw.clear()  # discovery traced one forward while applying; only the next forward counts
     outer = attach_scope(model, paths, dict.fromkeys(SOFTMAXES, record(capped)), outer=True)  # outermost
     idx, _ = zoo.batch(0)
     mask = torch.ones_like(idx)

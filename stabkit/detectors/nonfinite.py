@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..discovery.trace import tracing
 from ..distributed import local
 from ..probes import first_tensor
 
@@ -123,7 +124,7 @@ class StepGuard:
         ]
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        if self.paused or not torch.is_grad_enabled():
+        if self.paused or not torch.is_grad_enabled() or tracing():
             return
         if len(self.forwards) >= MAX_KEPT:  # Monitor.step is not being called: keep the newest only
             self.forwards.pop(0)
@@ -131,7 +132,7 @@ class StepGuard:
         self.forwards.append(KeptForward(args, dict(kwargs), cpu, cuda, autocast_state()))
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.paused or not torch.is_grad_enabled() or not self.forwards:
+        if self.paused or not torch.is_grad_enabled() or not self.forwards or tracing():
             return
         try:
             out = first_tensor(output)

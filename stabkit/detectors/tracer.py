@@ -21,6 +21,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..discovery.trace import tracing
+
 Site = tuple[str, str, str]
 """(module path, pass 'forward'|'backward', tensor 'output'|'grad_input'|'grad of <param>')."""
 
@@ -84,6 +86,8 @@ class FiniteTracer:
 
     def _forward_hook(self, path: str) -> Any:
         def hook(module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+            if tracing():
+                return
             with torch.no_grad():
                 out_bad = any_nonfinite(floating_tensors(output))
                 if out_bad is None:

@@ -13,7 +13,7 @@ from typing import Any
 from torch import nn
 
 from .families import attention_impl, family_of, mlp_path, norms_and_placement
-from .modelmap import BlockMap, DiscoveryError, ModelMap
+from .modelmap import BlockMap, DiscoveryError, LogitsMap, ModelMap
 from .roles import derive_shapes, find_attention, is_attention, is_norm, map_attention, out_features
 
 OVERRIDE_KEYS = (
@@ -39,15 +39,27 @@ OVERRIDE_HELP = (
 )
 
 
-def inspect(model: nn.Module, override: dict[str, Any] | ModelMap | None = None) -> ModelMap:
-    """Find blocks, attention (q/k/v or fused qkv, heads, kv heads, head_dim), MLP, norms and
-    their placement, the final norm and the output head of `model`.
+def inspect(
+    model: nn.Module,
+    override: dict[str, Any] | ModelMap | None = None,
+    *,
+    example: Any = None,
+    trace: bool = True,
+) -> ModelMap:
+    """Find blocks, every attention call site (self and cross; q/k/v or fused qkv, the rows of q and
+    k per head, heads, kv heads, head_dim), MLP, norms and their placement, the final norm, the
+    output head and the final logits of `model`.
 
-    `override` is either a complete ModelMap (checked and returned) or a dict of hints
-    (keys: ``blocks`` glob or list of block paths; ``attention``/``mlp`` relative to a block;
-    ``q``/``k``/``v``/``qkv``/``out`` relative to the attention; ``n_heads``/``n_kv_heads``/``head_dim``;
-    ``final_norm``/``output_head`` absolute paths; ``placement``).
-    Raises DiscoveryError, listing what was found, when no attention can be located.
+    By behaviour first: one forward is traced (on `example` — a tensor, a tuple of inputs, a dict of
+    keyword inputs or an (args, kwargs) pair — or on a small input stabkit makes for token and image
+    models) and the roles are read from what the model computes; the RNG streams and buffers are
+    restored afterwards. When no forward can be traced (``trace=False``, no example, a sharded
+    model) module names are used. `override` always wins: a complete ModelMap (checked and
+    returned) or a dict of hints (keys: ``blocks`` glob or list of block paths;
+    ``attention``/``mlp`` relative to a block; ``q``/``k``/``v``/``qkv``/``out`` relative to the
+    attention; ``n_heads``/``n_kv_heads``/``head_dim``; ``final_norm``/``output_head`` absolute
+    paths; ``placement``). Raises DiscoveryError, naming the role and what was seen, when no
+    attention can be located.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -61,6 +73,17 @@ def inspect(model: nn.Module, override: dict[str, Any] | ModelMap | None = None)
     unknown = sorted(set(hints) - set(OVERRIDE_KEYS))
     if unknown:
         raise ValueError(f"unknown override key(s) {unknown}; allowed: {list(OVERRIDE_KEYS)}")
+    if not hints and trace:
+        from .discover import traced_or_named
+
+        return traced_or_named(model, example, _by_names)
+    mmap = _by_names(model, hints)
+    mmap.found = {k: ("hint" if k in hints else "named") for k in ("blocks", "attention", "placement")}
+    return mmap
+
+
+def _by_names(model: nn.Module, hints: dict[str, Any]) -> ModelMap:
+    """The name/shape discovery (the fast path, and the fallback when no forward can be traced)."""
     modules = dict(model.named_modules())
     block_paths = _block_paths(model, modules, hints)
     blocks: list[BlockMap] = []
@@ -192,6 +215,11 @@ def _outer_roles(model: nn.Module, mmap: ModelMap, hints: dict[str, Any]) -> Non
             mmap.d_model = a.n_heads * a.head_dim
     if mmap.output_head:
         mmap.vocab_size = out_features(model.get_submodule(mmap.output_head))
+        found = "hint" if hints.get("output_head") else "named"
+        mmap.logits = LogitsMap(mmap.output_head, None, found)
+    cfg = getattr(model, "config", None)
+    if getattr(cfg, "logit_softcap", None) or getattr(cfg, "final_logit_softcapping", None):
+        mmap.logits = LogitsMap("", None, "named")  # the model caps after its head: read its own output
     elif mmap.embeddings:
         mmap.vocab_size = getattr(model.get_submodule(mmap.embeddings[0]), "num_embeddings", None)
 

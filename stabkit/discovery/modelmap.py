@@ -9,7 +9,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-Placement = Literal["pre", "post", "sandwich", "unknown"]
+import torch
+
+Placement = Literal["pre", "post", "sandwich", "output", "unknown"]
+"""Where a block's norms sit: 'pre' x + f(norm(x)); 'post' norm(x + f(x)); 'sandwich'
+x + norm_out(f(norm_in(x))); 'output' x + norm_out(f(x)) (OLMo 2); 'unknown'."""
 
 
 class DiscoveryError(ValueError):
@@ -42,6 +46,18 @@ class AttentionMap:
     """Width of one head."""
     impl: str = "unknown"
     """How it computes attention: 'sdpa', 'eager', 'torch_mha', 'hf:<attn_implementation>' or 'unknown'."""
+    cross: bool = False
+    """True for cross-attention (keys from another sequence, e.g. the encoder output)."""
+    q_columns: list[list[int]] | None = None
+    """Traced: per query head, the output features of `q` (or `qkv`) that make it, in head-dim order."""
+    k_columns: list[list[int]] | None = None
+    """Traced: per key head, the output features of `k` (or `qkv`) that make it."""
+    qk_norm: str | None = None
+    """Path of a norm the model applies to q/k itself (its own QK-norm), when traced."""
+    qk_note: str = ""
+    """Why q/k rows are unknown, when they are."""
+    found: str = "named"
+    """How it was found: 'traced' (seen in a forward), 'named' (module names) or 'hint'."""
 
     @property
     def layout(self) -> str:
@@ -78,6 +94,52 @@ class BlockMap:
     norms: list[NormMap] = field(default_factory=list)
     placement: Placement = "unknown"
     """Norm placement of the block as a whole."""
+    attentions: list[AttentionMap] = field(default_factory=list)
+    """Every attention call site in the block (self first, then cross); `attention` is the first."""
+    parallel: bool = False
+    """Parallel residual: the MLP reads the block input, not the attention's output (GPT-J, Cohere)."""
+
+    def __post_init__(self) -> None:
+        if not self.attentions:
+            self.attentions = [self.attention]
+
+
+@dataclass
+class LogitsMap:
+    """Where the model's final output logits are read (and changed, by z_loss / logit_softcap)."""
+
+    path: str
+    """Module whose output holds the final logits ('' = the model's own output)."""
+    key: str | int | None = None
+    """How to take them from that output: None (the output itself when it is a tensor, else its
+    ``.logits``), an attribute/key name, or a tuple index."""
+    found: str = "named"
+    """'traced', 'named' or 'hint'."""
+
+    def take(self, output: Any) -> Any:
+        """The logits in `output` (the output of the module at `path`), or None when absent."""
+        if self.key is None:
+            return output if isinstance(output, torch.Tensor) else getattr(output, "logits", None)
+        if isinstance(self.key, int):
+            return output[self.key] if isinstance(output, tuple | list) and len(output) > self.key else None
+        if isinstance(output, dict) and self.key in output:
+            return output[self.key]
+        return getattr(output, self.key, None)
+
+    def replace(self, output: Any, logits: Any) -> Any:
+        """`output` with its logits replaced by `logits` (for forward hooks that change them)."""
+        if self.key is None and isinstance(output, torch.Tensor):
+            return logits
+        key = "logits" if self.key is None else self.key
+        if isinstance(key, int):
+            items = list(output)
+            items[key] = logits
+            return type(output)(items) if isinstance(output, list) else tuple(items)
+        if isinstance(output, dict):
+            output[key] = logits  # HF ModelOutput: the attribute follows the key
+        if hasattr(output, key):
+            setattr(output, key, logits)
+        return output
 
 
 @dataclass
@@ -94,6 +156,10 @@ class ModelMap:
     vocab_size: int | None = None
     notes: list[str] = field(default_factory=list)
     """What discovery had to guess."""
+    logits: LogitsMap | None = None
+    """Where the final logits are (None: the model returns no logits, e.g. a bare encoder)."""
+    found: dict[str, str] = field(default_factory=dict)
+    """Role -> how it was found ('traced', 'named', 'hint')."""
 
     @property
     def block_paths(self) -> list[str]:
@@ -102,8 +168,13 @@ class ModelMap:
 
     @property
     def attention_paths(self) -> list[str]:
-        """Paths of the attention modules, in block order."""
-        return [b.attention.path for b in self.blocks]
+        """Paths of every attention call site (self and cross), in block order, each once."""
+        return list(dict.fromkeys(a.path for b in self.blocks for a in b.attentions))
+
+    @property
+    def attentions(self) -> list[AttentionMap]:
+        """Every attention call site, in block order."""
+        return [a for b in self.blocks for a in b.attentions]
 
     def block_of(self, path: str) -> str | None:
         """The path of the block that contains `path` (a module or parameter name), if any."""
@@ -119,22 +190,31 @@ class ModelMap:
     def describe(self) -> str:
         """A human-readable table of the map (what `stabkit inspect` prints)."""
         lines = [f"family: {self.family}   d_model: {self.d_model}   vocab: {self.vocab_size}"]
+        if self.found:
+            lines.append("found: " + ", ".join(f"{k} {v}" for k, v in self.found.items()))
         lines.append(f"embeddings: {', '.join(self.embeddings) or '-'}")
         for b in self.blocks:
-            a = b.attention
-            if a.qkv:
-                proj = f"qkv={a.qkv} ({a.qkv_layout})"
-            else:
-                proj = f"q={a.q} k={a.k} v={a.v}"
-            lines.append(f"block {b.index}: {b.path}  [{b.placement}-norm]")
-            lines.append(
-                f"  attention: {a.path}  {proj} out={a.out}  heads={a.n_heads} kv_heads={a.n_kv_heads} "
-                f"head_dim={a.head_dim} ({a.layout}, {a.impl})"
-            )
+            parallel = ", parallel residual" if b.parallel else ""
+            lines.append(f"block {b.index}: {b.path}  [{b.placement}-norm{parallel}]")
+            for a in b.attentions:
+                if a.qkv:
+                    proj = f"qkv={a.qkv} ({a.qkv_layout})"
+                else:
+                    proj = f"q={a.q} k={a.k} v={a.v}"
+                kind = "cross-attention" if a.cross else "attention"
+                extra = f", own qk-norm {a.qk_norm}" if a.qk_norm else ""
+                lines.append(
+                    f"  {kind}: {a.path or '<root>'}  {proj} out={a.out}  heads={a.n_heads} "
+                    f"kv_heads={a.n_kv_heads} head_dim={a.head_dim} ({a.layout}, {a.impl}{extra}) [{a.found}]"
+                )
             lines.append(f"  mlp: {b.mlp}")
             for n in b.norms:
                 lines.append(f"  norm: {n.path} ({n.kind}, {n.position} {n.sublayer})")
         lines.append(f"final norm: {self.final_norm}")
         lines.append(f"output head: {self.output_head}")
+        if self.logits is not None:
+            where = self.logits.path or "<model output>"
+            key = f" [{self.logits.key!r}]" if self.logits.key is not None else ""
+            lines.append(f"logits: {where}{key} ({self.logits.found})")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)

@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+from ..discovery.trace import tracing
 from ..distributed import process_group_active
 from ..monitor import Monitor
 from .session import Session
@@ -78,7 +79,7 @@ class StabkitCallback(TrainerCallback):
 
     def _keep_loss(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook: keep a training forward's loss (device tensor, no sync)."""
-        if not (module.training and torch.is_grad_enabled()):
+        if not (module.training and torch.is_grad_enabled()) or tracing():
             return
         loss = output_loss(output)
         if loss is None:

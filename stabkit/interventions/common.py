@@ -12,7 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery import DiscoveryError, ModelMap, inspect
+from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect
 from ..models import RMSNorm
 from .handle import Handle, InterventionError
 
@@ -27,6 +27,45 @@ def model_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap |
         return inspect(model, override)
     except DiscoveryError as exc:
         raise InterventionError(name, type(model).__name__, str(exc)) from exc
+
+
+def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap | None = None) -> LogitsMap:
+    """Where the final logits of `model` are; needs no attention discovery (z_loss, logit_softcap)."""
+    mmap: ModelMap | None
+    try:
+        mmap = inspect(model, override)
+    except DiscoveryError:
+        from ..discovery.discover import logits_only
+
+        mmap = logits_only(model)
+    if mmap is None or mmap.logits is None:
+        raise InterventionError(
+            name,
+            type(model).__name__,
+            "no final logits found: the model's output is not computed by a projection after its last "
+            "block (pass model_map= with output_head)",
+        )
+    return mmap.logits
+
+
+_WARNED: set[tuple[str, int]] = set()
+
+
+def warn_internal_loss(name: str, path: str, output: Any) -> None:
+    """Warn once per model output when the model computed its own loss *before* the logits were
+    changed on its output: that loss does not see the change (compute it from the returned logits)."""
+    loss = getattr(output, "loss", None)
+    if path == "" and isinstance(loss, torch.Tensor) and (name, id(type(output))) not in _WARNED:
+        _WARNED.add((name, id(type(output))))
+        import warnings
+
+        warnings.warn(
+            f"stabkit: {name} acts on the model's returned logits, but the model computed `loss` inside "
+            "forward from logits scaled or capped after its head; that loss does not include it. "
+            "Compute the loss from outputs.logits (or add stabkit.z_loss(logits) yourself)",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def parent_of(model: nn.Module, path: str) -> tuple[nn.Module, str]:

@@ -91,30 +91,36 @@ def apply_qk_norm(
     mmap = model_map(model, NAME, model_map_override)
     handle = Handle(model, [NAME])
     try:
-        for block in mmap.blocks:
-            a = block.attention
+        for a in {a.path: a for a in mmap.attentions}.values():
             attn = model.get_submodule(a.path)
-            for attr in ("q_norm", "k_norm", QK_NORM_ATTR):
-                if getattr(attn, attr, None) is not None:
-                    raise InterventionError(NAME, a.path, f"it already has QK-norm ({attr})")
+            _refuse_if_normed(a, attn)
             if not a.head_dim or not a.n_heads:
                 raise InterventionError(
                     NAME, a.path, "head_dim / n_heads unknown (pass model_map= with them)"
                 )
             hd, heads, kv_heads = a.head_dim, a.n_heads, a.n_kv_heads or a.n_heads
-            ref = next(attn.parameters())
-            norms = QKNorm(hd, kind, _eps(model, block.norms, eps)).to(device=ref.device, dtype=ref.dtype)
+            ref = next(iter(attn.parameters()), None)
+            ref = ref if ref is not None else next(model.parameters())
+            block = mmap.block_of(a.path)
+            block_norms = next((b.norms for b in mmap.blocks if b.path == block), [])
+            norms = QKNorm(hd, kind, _eps(model, block_norms, eps)).to(device=ref.device, dtype=ref.dtype)
             if isinstance(attn, StabkitAttention):
                 swap_module(handle, attn, "q_norm", norms.q)
                 swap_module(handle, attn, "k_norm", norms.k)
                 handle.add_parameters(norms.parameters())
                 continue
-            add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
             if isinstance(attn, nn.MultiheadAttention):
+                add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
                 patch_mha(handle, model, a.path, NAME)
+            elif a.q_columns is not None and a.k_columns is not None:
+                _hook_traced(handle, model, a, norms)
+            elif a.qk_note:
+                raise InterventionError(NAME, a.path, f"q/k rows unknown: {a.qk_note}")
             elif a.qkv:
+                add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
                 _hook_fused(handle, model, a.qkv, norms, hd * heads, hd * kv_heads)
             elif a.q and a.k:
+                add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
                 keep_hook(handle, model.get_submodule(a.q).register_forward_hook(_hook_on(norms.q)))
                 keep_hook(handle, model.get_submodule(a.k).register_forward_hook(_hook_on(norms.k)))
             else:
@@ -123,6 +129,53 @@ def apply_qk_norm(
         handle.remove()
         raise
     return handle
+
+
+def _refuse_if_normed(a: Any, attn: nn.Module) -> None:
+    """Refuse attention that normalises q/k already (traced, or a q_norm/k_norm slot that is a norm)."""
+    if a.qk_norm:
+        raise InterventionError(NAME, a.path, f"it already has QK-norm ({a.qk_norm})")
+    for attr in ("q_norm", "k_norm", QK_NORM_ATTR):
+        slot = getattr(attn, attr, None)
+        if slot is not None and not isinstance(slot, nn.Identity):
+            raise InterventionError(NAME, a.path, f"it already has QK-norm ({attr})")
+
+
+def _hook_traced(handle: Handle, model: nn.Module, a: Any, norms: QKNorm) -> None:
+    """Normalise the traced q and k features per head on their projections' outputs (any layout:
+    concatenated, interleaved per head, GQA, separate projections)."""
+    if a.qk_note or not (a.qkv or (a.q and a.k)):
+        raise InterventionError(NAME, a.path, f"q/k rows unknown: {a.qk_note or 'no projection module'}")
+    attn = model.get_submodule(a.path)
+    owner, owner_path = (attn, a.path) if a.path else (model, "")
+    add_module(handle, NAME, owner, owner_path or type(model).__name__, QK_NORM_ATTR, norms)
+    q_idx = [c for head in a.q_columns for c in head]  # head-major, head-dim order
+    k_idx = [c for head in a.k_columns for c in head]
+    if a.qkv:
+        pairs = [(norms.q, q_idx), (norms.k, k_idx)]
+        keep_hook(handle, model.get_submodule(a.qkv).register_forward_hook(_columns_hook(pairs)))
+    else:
+        keep_hook(handle, model.get_submodule(a.q).register_forward_hook(_columns_hook([(norms.q, q_idx)])))
+        keep_hook(handle, model.get_submodule(a.k).register_forward_hook(_columns_hook([(norms.k, k_idx)])))
+
+
+def _columns_hook(pairs: list[tuple[HeadNorm, list[int]]]) -> Any:
+    """A forward hook normalising, per head, the given output features of a projection."""
+    cache: dict[torch.device, list[torch.Tensor]] = {}
+
+    def hook(mod: nn.Module, args: Any, out: torch.Tensor) -> torch.Tensor:
+        index = cache.get(out.device)
+        if index is None:
+            index = cache[out.device] = [torch.tensor(i, device=out.device) for _, i in pairs]
+        y = out
+        for (norm, cols), idx in zip(pairs, index):
+            if cols == list(range(out.shape[-1])):
+                y = norm(y)  # (..., H·hd): the whole output, in head order
+            else:
+                y = y.index_copy(y.dim() - 1, idx, norm(y.index_select(y.dim() - 1, idx)))
+        return y
+
+    return hook
 
 
 def _hook_on(norm: HeadNorm) -> Any:

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..attention.math import SDPAArgs
 from ..attention.scope import SDPA, SOFTMAXES, Handler, attach_scope
-from .common import keep_hook, map_first, model_map, set_attr
+from .common import keep_hook, logits_map, model_map, set_attr, warn_internal_loss
 from .handle import Handle, InterventionError
 from .mha import SOFTCAP_ATTR, patch_mha
 
@@ -61,10 +61,10 @@ def _sdpa_handler(cap: float) -> Handler:
 
 def _softmax_handler(cap: float) -> Handler:
     def handler(path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        x = args[0]
+        x = args[0] if args else kwargs.get("input")
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or dim not in (-1, x.dim() - 1):
-            return func(*args, **kwargs)
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 4 or dim not in (-1, 3):
+            return func(*args, **kwargs)  # not attention weights (e.g. an MoE router inside the scope)
         return func(capped_scores(x, cap), *args[1:], **kwargs)
 
     return handler
@@ -90,8 +90,7 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
     sdpa_paths: list[str] = []
     eager_paths: list[str] = []
     try:
-        for block in mmap.blocks:
-            a = block.attention
+        for a in {a.path: a for a in mmap.attentions}.values():
             attn = model.get_submodule(a.path)
             own = getattr(attn, "softcap", None) if isinstance(attn, StabkitAttention) else None
             hf_cap = getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
@@ -109,7 +108,7 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
                     ATTN,
                     a.path,
                     f"attention implementation {a.impl!r} cannot be intercepted; supported: SDPA, eager "
-                    "(HF attn_implementation='sdpa' or 'eager') and nn.MultiheadAttention",
+                    "softmax attention and nn.MultiheadAttention (pass example= to trace a forward)",
                 )
             set_attr(handle, attn, SOFTCAP_ATTR, cap)
         if sdpa_paths:
@@ -128,21 +127,21 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
 
 
 def apply_logit_softcap(model: nn.Module, cap: float = 30.0, model_map_override: Any = None) -> Handle:
-    """Cap the output head's logits at ``cap`` with a forward hook. Runs at each forward."""
+    """Cap the final logits at ``cap`` with a forward hook where they are made. Runs at each forward."""
     cap = _check_cap(LOGIT, cap)
-    mmap = model_map(model, LOGIT, model_map_override)
     cfg = getattr(model, "config", None)
     if getattr(cfg, "logit_softcap", None) or getattr(cfg, "final_logit_softcapping", None):
         raise InterventionError(LOGIT, type(model).__name__, "the model soft-caps its output logits already")
-    if mmap.output_head is None:
-        raise InterventionError(
-            LOGIT, type(model).__name__, "no output head found (pass model_map= with output_head)"
-        )
-    head = model.get_submodule(mmap.output_head)
+    where = logits_map(model, LOGIT, model_map_override)
+    module = model.get_submodule(where.path)
     handle = Handle(model, [LOGIT])
 
     def hook(mod: nn.Module, args: Any, out: Any) -> Any:
-        return map_first(out, lambda x: cap * torch.tanh(x / cap))
+        logits = where.take(out)
+        if not isinstance(logits, torch.Tensor):
+            return None
+        warn_internal_loss(LOGIT, where.path, out)
+        return where.replace(out, cap * torch.tanh(logits / cap))
 
-    keep_hook(handle, head.register_forward_hook(hook, prepend=True))
+    keep_hook(handle, module.register_forward_hook(hook, prepend=True))
     return handle

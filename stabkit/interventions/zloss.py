@@ -3,8 +3,9 @@
 Two ways to use it:
 
 - explicit: ``loss = ce + z_loss(logits)`` (re-exported as ``stabkit.z_loss``);
-- implicit: ``apply(model, "z_loss")`` puts an identity autograd function on the output logits (a
-  forward hook on the output head, or on the model when the model soft-caps after the head). Its
+- implicit: ``apply(model, "z_loss")`` puts an identity autograd function on the final logits (a
+  forward hook where discovery found them: the output head, or the model's own output when the
+  model scales or caps after the head; no attention discovery needed). Its
   forward returns the logits unchanged; its backward adds the gradient of the explicit term, so
   the user's loss code stays as it is. The term's value is kept (detached, on the device) for the
   monitor as ``logits/z_loss``; it is not added to the user's loss value.
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .common import keep_hook, model_map
+from .common import keep_hook, logits_map, warn_internal_loss
 from .handle import Handle, InterventionError
 
 NAME = "z_loss"
@@ -47,32 +48,6 @@ class _ZLossGrad(torch.autograd.Function):
         return grad + extra.to(grad.dtype), None, None
 
 
-def _final_logits_module(model: nn.Module, head: str | None) -> tuple[str, nn.Module]:
-    """Path and module whose output is the final logits (after any final soft cap the model applies)."""
-    cfg = getattr(model, "config", None)
-    if getattr(cfg, "logit_softcap", None) or getattr(cfg, "final_logit_softcapping", None):
-        return "", model  # the model caps after its head: hook the model's own output
-    if head is None:
-        raise InterventionError(
-            NAME, type(model).__name__, "no output head found (pass model_map= with output_head)"
-        )
-    return head, model.get_submodule(head)
-
-
-def _logits_of(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    return logits if isinstance(logits, torch.Tensor) else None
-
-
-def _with_logits(output: Any, logits: torch.Tensor) -> Any:
-    if isinstance(output, torch.Tensor):
-        return logits
-    output.logits = logits  # HF ModelOutput: attribute and mapping stay in sync
-    return output
-
-
 def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any = None) -> Handle:
     """Hook the implicit z-loss onto the model's final logits (see the module docstring).
 
@@ -80,23 +55,24 @@ def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any =
     """
     if not coef >= 0:
         raise InterventionError(NAME, "", f"coef must be >= 0, got {coef!r}")
-    mmap = model_map(model, NAME, model_map_override)
-    path, module = _final_logits_module(model, mmap.output_head)
+    where = logits_map(model, NAME, model_map_override)
+    module = model.get_submodule(where.path)
     handle = Handle(model, [NAME])
     last: dict[str, torch.Tensor] = {}
 
     def hook(mod: nn.Module, args: Any, output: Any) -> Any:
-        logits = _logits_of(output)
-        if logits is None:
+        logits = where.take(output)
+        if not isinstance(logits, torch.Tensor):
             raise InterventionError(
-                NAME, path or "<model>", f"output of type {type(output).__name__} has no logits"
+                NAME, where.path or "<model>", f"output of type {type(output).__name__} has no logits"
             )
         with torch.no_grad():
             lse = torch.logsumexp(logits.detach().float(), dim=-1, keepdim=True)  # (..., 1)
             last[METRIC] = coef * lse.pow(2).mean()
         if not (torch.is_grad_enabled() and logits.requires_grad) or coef == 0:
             return None
-        return _with_logits(output, _ZLossGrad.apply(logits, lse, coef))
+        warn_internal_loss(NAME, where.path, output)
+        return where.replace(output, _ZLossGrad.apply(logits, lse, coef))
 
     keep_hook(handle, module.register_forward_hook(hook))
     handle.set_metrics(lambda: dict(last))

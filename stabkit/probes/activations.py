@@ -26,8 +26,8 @@ class ActivationProbe(Probe):
         mm = ctx.model_map
         default: list[str] = []
         for b in mm.blocks:
-            default += [b.path, b.attention.path] + ([b.mlp] if b.mlp else [])
-        self.paths = select_modules(ctx.model, ctx.config.modules, default)
+            default += [b.path, *(a.path for a in b.attentions)] + ([b.mlp] if b.mlp else [])
+        self.paths = select_modules(ctx.model, ctx.config.modules, list(dict.fromkeys(default)))
         # A module often returns its child's output object unchanged (attn -> o_proj, mlp -> proj):
         # the last measured tensor is remembered (weakly, so nothing is kept alive) and not measured twice.
         self._last: tuple[weakref.ref[torch.Tensor], tuple[torch.Tensor, ...]] | None = None

@@ -90,6 +90,8 @@ class AttentionProbe(Probe):
             )
             for p in self.modules
         }
+        self._inline = set(ctx.model_map.block_paths) & set(self.modules)
+        """Blocks that compute attention inline: only their attention-shaped softmaxes are read."""
         readers: dict[Callable[..., Any], Reader] = {
             SDPA: read_sdpa,
             F.multi_head_attention_forward: read_mha,
@@ -126,7 +128,8 @@ class AttentionProbe(Probe):
         def handler(
             path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
-            if self.enabled:
+            skip = reader is read_softmax and path in self._inline and not attention_shaped(args, kwargs)
+            if self.enabled and not skip:
                 try:
                     self._measure(path, reader, func, args, kwargs)
                 except ProbeError:
@@ -195,6 +198,14 @@ class AttentionProbe(Probe):
                     "F.multi_head_attention_forward, so the probe cannot see its logits"
                 ),
             )
+
+
+def attention_shaped(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """True for a softmax over the last dim of a 4-d float tensor — attention weights; a router's or
+    a head's softmax inside an inline-attention block is left alone."""
+    x = args[0] if args else kwargs.get("input")
+    dim = args[1] if len(args) > 1 else kwargs.get("dim")
+    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3)
 
 
 def _mha_fast_path_possible(mha: nn.Module) -> bool:

@@ -19,6 +19,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config import ModuleSelection, MonitorConfig
 from ..discovery import ModelMap
+from ..discovery.trace import tracing
 from ..stats import Recorder
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -43,8 +44,9 @@ class ProbeContext:
     """Shared scratch space between probes (e.g. kept inputs for replay)."""
 
     def sampled(self, every: int | None = None) -> bool:
-        """True when the step in progress is one on which per-layer statistics are taken."""
-        return self.step() % (every or self.config.every) == 0
+        """True when the step in progress is one on which per-layer statistics are taken (never
+        during discovery's traced forward)."""
+        return self.step() % (every or self.config.every) == 0 and not tracing()
 
 
 class Probe:

@@ -1,7 +1,8 @@
-"""Output-logit probe: max |logit| and log Z (mean, max) at the output head.
+"""Output-logit probe: max |logit| and log Z (mean, max) of the model's final logits.
 
-A forward hook on the ModelMap's output head, on sampled steps. log Z = logsumexp over the
-vocabulary; its drift is the output-logit divergence of Wortsman et al. 2023.
+A forward hook where discovery found the final logits (`ModelMap.logits`: the output head, or the
+model's own output when it scales or caps after the head), on sampled steps. log Z = logsumexp
+over the vocabulary; its drift is the output-logit divergence of Wortsman et al. 2023.
 """
 
 from __future__ import annotations
@@ -21,14 +22,17 @@ class LogitProbe(Probe):
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
-        head = ctx.model_map.output_head
-        if head is None:
+        where = ctx.model_map.logits
+        if where is None:
             return
-        module = ctx.model.get_submodule(head)
+        self.where = where
+        module = ctx.model.get_submodule(where.path)
         self.handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
-        self._measure(output)
+        logits = self.where.take(output)
+        if logits is not None:
+            self._measure(logits)
 
     @guarded
     def _measure(self, output: Any) -> None:

@@ -1,0 +1,137 @@
+"""Discovery by behaviour with names as the fallback: trace one forward, build the map from it, and
+fill in from module names only what the trace cannot tell.
+
+Runs once, from `stabkit.inspect` (and so at `attach`, `audit` and `interventions.apply`).
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from .examples import as_example, synthesize_example
+from .families import family_of
+from .modelmap import DiscoveryError, ModelMap
+from .trace import run_trace
+from .trace_map import logits_from_trace, map_from_trace
+
+_TRACE_ATTR = "_stabkit_trace_cache"
+
+
+def _sharded(model: nn.Module) -> bool:
+    """True for FSDP2-sharded parameters (a forward would run collectives): names only."""
+    return any(
+        type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in model.parameters()
+    )
+
+
+def _signature(model: nn.Module) -> tuple[Any, ...]:
+    """What a cached map depends on: the module tree, the parameter shapes and the forward hooks
+    (an intervention's hooks change what the model computes)."""
+    modules = tuple(
+        (n, id(m), len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "training", True))
+        for n, m in model.named_modules()
+    )
+    active = tuple((k, id(v)) for k, v in getattr(model, "_stabkit_interventions", {}).items())
+    return modules, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), active
+
+
+_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], ModelMap]] = weakref.WeakKeyDictionary()
+"""model -> (signature, traced map): `inspect` runs at attach and at each intervention; one trace serves
+them all while the model is unchanged."""
+
+
+def traced_or_named(
+    model: nn.Module, example: Any, by_names: Callable[[nn.Module, dict[str, Any]], ModelMap]
+) -> ModelMap:
+    """Trace one forward (on `example` or a synthesised input) and map the model from it; fall back to
+    names (with a note saying why) when no forward can be traced."""
+    key = _signature(model) if example is None else None
+    cached = _CACHE.get(model)
+    if key is not None and cached is not None and cached[0] == key:
+        return copy.deepcopy(cached[1])
+    reason = ""
+    ex = as_example(example) if example is not None else None
+    if ex is None and not _sharded(model):
+        ex = synthesize_example(model)
+        if ex is None:
+            reason = "no example input (pass example= to trace one forward)"
+    elif _sharded(model):
+        reason = "sharded parameters (a traced forward would run collectives)"
+    if ex is not None:
+        try:
+            trace = run_trace(model, *ex)
+            mmap = map_from_trace(model, trace)
+        except DiscoveryError as exc:
+            try:
+                mmap = by_names(model, {})
+            except DiscoveryError:
+                raise exc from None
+            mmap.notes.append(f"the traced forward saw no attention call; roles from module names ({exc})")
+            mmap.found = {"blocks": "named", "attention": "named", "placement": "named"}
+            return mmap
+        except Exception as exc:  # the model needs inputs stabkit cannot guess
+            if example is not None:
+                raise DiscoveryError(
+                    f"tracing one forward of {type(model).__name__} on the given example failed: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+            reason = f"the synthesised example did not run ({type(exc).__name__}: {str(exc)[:120]})"
+        else:
+            _complete(model, mmap, by_names)
+            _warn_unmonitored(mmap)
+            _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
+            return mmap
+    try:
+        mmap = by_names(model, {})
+    except DiscoveryError as exc:
+        raise DiscoveryError(f"{exc}. Tracing was not possible: {reason}") from None
+    mmap.notes.append(f"roles from module names: {reason}")
+    mmap.found = {"blocks": "named", "attention": "named", "placement": "named"}
+    return mmap
+
+
+def _complete(model: nn.Module, mmap: ModelMap, by_names: Callable[..., ModelMap]) -> None:
+    """Label the family and fill what only names tell (embeddings, d_model) into a traced map."""
+    first = model.get_submodule(mmap.blocks[0].path) if mmap.blocks else model
+    family = family_of(first)
+    mmap.family = family if family != "fallback" else "traced"
+    mmap.embeddings = [
+        n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and mmap.block_of(n) is None
+    ]
+    if mmap.embeddings:
+        mmap.d_model = getattr(model.get_submodule(mmap.embeddings[0]), "embedding_dim", None)
+        mmap.found["embeddings"] = "named"
+    if mmap.d_model is None and mmap.blocks:
+        a = mmap.blocks[0].attention
+        if a.n_heads and a.head_dim:
+            mmap.d_model = a.n_heads * a.head_dim
+    if mmap.output_head is None and mmap.logits is None:
+        mmap.notes.append(
+            "the model's output is not logits computed after the last block (no logits/ statistics)"
+        )
+
+
+def _warn_unmonitored(mmap: ModelMap) -> None:
+    """Warn once about call sites whose q/k rows are unknown (interventions that need them refuse)."""
+    missing = [f"{a.path or '<root>'}: {a.qk_note}" for a in mmap.attentions if a.qk_note and not a.qk_norm]
+    if missing:
+        mmap.notes.extend(f"q/k rows unknown at {m}" for m in missing)
+    if any(a.impl == "unknown" for a in mmap.attentions):
+        warnings.warn("stabkit: some attention calls cannot be monitored", RuntimeWarning, stacklevel=4)
+
+
+def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
+    """A map holding only the final logits, from a traced forward (None when none can run)."""
+    ex = as_example(example) if example is not None else synthesize_example(model)
+    if ex is None or _sharded(model):
+        return None
+    try:
+        return logits_from_trace(model, run_trace(model, *ex))
+    except Exception:  # the model needs inputs stabkit cannot guess
+        return None

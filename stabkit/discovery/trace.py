@@ -1,0 +1,454 @@
+"""Watch one forward pass and record what the model *does*: module calls, projections, attention
+calls, and which tensor was computed from which.
+
+Runs once, at discovery time (`stabkit.inspect`, `attach`), never per step. While the traced forward
+runs, a `torch.overrides.TorchFunctionMode` sees every torch function and global module hooks keep
+the stack of running modules. What it records:
+
+- every op as a node of a small data-flow graph (tensor ids; every tensor is kept alive until the
+  trace is dropped, so ids stay unique);
+- *projections*: a linear-like op (``F.linear``, ``addmm``, ``matmul``/``@``, ``mm``, ``bmm``,
+  ``einsum``) with exactly one operand that is a model parameter (or computed from parameters only,
+  e.g. ``wte.weight.T``). Its output is handed back to the model as a fresh autograd leaf (same
+  values), so the graph from one projection to whatever it feeds is short and can be differentiated
+  even for frozen models or under ``no_grad``;
+- *attention calls*: ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``, and a
+  softmax over the last dim of a 4-d tensor computed from a product of two activations (eager
+  ``softmax(q kᵀ · scale + mask)``), each with the running module stack and its q and k.
+
+The traced forward must leave the model as it was: `run_trace` restores the RNG streams and every
+buffer afterwards, and the values the model computes are the same as without the trace.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from ..attention.scope import SDPA, SOFTMAXES
+
+_LINEAR: dict[Callable[..., Any], str] = {
+    F.linear: "linear",
+    torch.addmm: "addmm",
+    torch.Tensor.addmm: "addmm",
+    torch.matmul: "matmul",
+    torch.Tensor.matmul: "matmul",
+    torch.Tensor.__matmul__: "matmul",
+    torch.mm: "matmul",
+    torch.Tensor.mm: "matmul",
+    torch.bmm: "matmul",
+    torch.Tensor.bmm: "matmul",
+    torch.baddbmm: "baddbmm",
+    torch.Tensor.baddbmm: "baddbmm",
+    torch.einsum: "einsum",
+}
+_RMATMUL = torch.Tensor.__rmatmul__
+
+
+_TRACING = [0]
+
+
+def tracing() -> bool:
+    """True while discovery's traced forward runs: stabkit's own monitoring hooks ignore that pass."""
+    return _TRACING[0] > 0
+
+
+@contextmanager
+def _tracing() -> Iterator[None]:
+    _TRACING[0] += 1
+    try:
+        yield
+    finally:
+        _TRACING[0] -= 1
+
+
+@dataclass
+class Projection:
+    """A linear-like op with one parameter operand (q_proj, a fused qkv, an MLP matrix, the head)."""
+
+    index: int
+    """Op index in the trace."""
+    param: str
+    """Name of the parameter operand (e.g. ``blocks.0.attn.qkv.weight``)."""
+    module: str
+    """Innermost module running when the op ran ('' = the root)."""
+    input: int
+    """Id of the activation operand."""
+    output: int
+    """Id of the tensor handed back to the model."""
+    leaf: torch.Tensor
+    """Autograd leaf holding the op's output values (the model got a clone of it)."""
+
+
+@dataclass
+class AttentionCall:
+    """One attention call seen in the traced forward."""
+
+    index: int
+    kind: str
+    """'sdpa', 'eager' or 'torch_mha'."""
+    stack: tuple[str, ...]
+    """Paths of the running modules, outermost first ('' = root)."""
+    q: torch.Tensor | None
+    """(B, H, L, E) queries as the call sees them (None for torch_mha)."""
+    k: torch.Tensor | None
+    """(B, Hkv, S, E) keys as the call sees them."""
+    output: int | None
+    """Id of the call's output (SDPA/MHA: attention output; eager: the softmax weights)."""
+    query_input: int | None = None
+    """torch_mha only: ids of the query and key arguments."""
+    key_input: int | None = None
+
+    @property
+    def scope(self) -> str:
+        """Innermost module whose forward made the call."""
+        return self.stack[-1] if self.stack else ""
+
+
+@dataclass
+class ModuleCall:
+    """One module forward in the traced pass."""
+
+    path: str
+    start: int
+    """Op index when it was entered."""
+    end: int = -1
+    """Op index when it returned."""
+    input: int | None = None
+    """Id of its first tensor argument."""
+    output: int | None = None
+    """Id of the first tensor of its output."""
+
+
+@dataclass
+class Trace:
+    """What one traced forward did (see the module docstring)."""
+
+    parents: dict[int, set[int]] = field(default_factory=dict)
+    """Tensor id -> ids of the tensors it was computed from."""
+    op_name: dict[int, str] = field(default_factory=dict)
+    """Tensor id -> name of the op that produced it."""
+    created: dict[int, int] = field(default_factory=dict)
+    """Tensor id -> op index that produced it."""
+    ops: int = 0
+    projections: list[Projection] = field(default_factory=list)
+    calls: list[AttentionCall] = field(default_factory=list)
+    modules: list[ModuleCall] = field(default_factory=list)
+    output: Any = None
+    """The model's output."""
+    shapes: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """Tensor id -> shape."""
+    keep: list[Any] = field(default_factory=list)
+    """Strong references to every tensor seen, so no id is reused while the trace lives."""
+    device_type: str = "cpu"
+
+    def ancestors(self, node: int, since: int = 0, blocked: frozenset[int] = frozenset()) -> set[int]:
+        """Ids `node` was computed from (itself included), following ops produced at index >= `since`
+        and not expanding through `blocked` nodes."""
+        seen = {node}
+        todo = [node]
+        while todo:
+            n = todo.pop()
+            if n in blocked or self.created.get(n, -1) < since:
+                continue
+            for p in self.parents.get(n, ()):
+                if p not in seen:
+                    seen.add(p)
+                    todo.append(p)
+        return seen
+
+    def calls_of(self, prefix: str) -> list[ModuleCall]:
+        """Module calls at or under `prefix` (every call for '')."""
+        return [m for m in self.modules if _under(m.path, prefix)]
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Tensors in a value, a (nested, one level) tuple/list, or a dict."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, list | tuple):
+        for v in value:
+            if isinstance(v, torch.Tensor):
+                yield v
+            elif isinstance(v, list | tuple):
+                yield from (x for x in v if isinstance(x, torch.Tensor))
+    elif isinstance(value, dict):
+        yield from (v for v in value.values() if isinstance(v, torch.Tensor))
+
+
+def first_tensor_in(value: Any) -> torch.Tensor | None:
+    """The first tensor of a module's output or arguments (tensors, tuples, dicts, HF ModelOutputs)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, dict):  # ModelOutput is an OrderedDict
+        value = list(value.values())
+    if isinstance(value, list | tuple):
+        for v in value:
+            t = first_tensor_in(v)
+            if t is not None:
+                return t
+    return None
+
+
+_EINSUM_TERM = re.compile(r"^\s*([\w.]+)\s*,\s*([\w.]+)\s*->\s*([\w.]+)\s*$")
+
+
+class _Recorder(TorchFunctionMode):
+    """The function mode of a trace (see the module docstring)."""
+
+    def __init__(self, trace: Trace, params: dict[int, str], stack: list[str]) -> None:
+        super().__init__()
+        self.trace = trace
+        self.param_names = params
+        self.param_like: set[int] = set(params)
+        self.products: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        """id of a q·kᵀ-like product (and anything computed from it) -> (q, k) as (..., L, E), (..., S, E)."""
+        self.stack = stack
+
+    def __torch_function__(
+        self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        t = self.trace
+        index = t.ops
+        t.ops += 1
+        inputs = [x for a in (*args, *kwargs.values()) for x in _tensors(a)]
+        call: AttentionCall | None = None
+        if func is SDPA:
+            q = args[0] if args else kwargs.get("query")
+            k = args[1] if len(args) > 1 else kwargs.get("key")
+            call = AttentionCall(index, "sdpa", tuple(self.stack), q, k, None)
+        elif func is F.multi_head_attention_forward:
+            query = args[0] if args else kwargs.get("query")
+            key = args[1] if len(args) > 1 else kwargs.get("key")
+            call = AttentionCall(index, "torch_mha", tuple(self.stack), None, None, None, id(query), id(key))
+        elif func in SOFTMAXES:
+            call = self._eager_call(index, args, kwargs)
+        out = func(*args, **kwargs)
+        out = self._projection(func, index, args, kwargs, out)
+        outputs = list(_tensors(out))
+        in_ids = {id(x) for x in inputs}
+        for o in outputs:
+            oid = id(o)
+            t.parents.setdefault(oid, set()).update(in_ids - {oid})
+            t.op_name.setdefault(oid, getattr(func, "__name__", str(func)))
+            t.created.setdefault(oid, index)
+            t.shapes[oid] = tuple(o.shape)
+        for x in inputs:
+            t.shapes.setdefault(id(x), tuple(x.shape))
+        t.keep.append((inputs, outputs))
+        if in_ids and in_ids <= self.param_like:
+            self.param_like.update(id(o) for o in outputs)
+        self._follow_products(func, args, kwargs, inputs, outputs)
+        if call is not None:
+            call.output = id(outputs[0]) if outputs else None
+            t.calls.append(call)
+        return out
+
+    # ------------------------------------------------------------ projections
+    def _operands(self, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any] | None:
+        if kind == "linear":
+            return args[0] if args else kwargs.get("input"), args[1] if len(args) > 1 else kwargs.get(
+                "weight"
+            )
+        if kind in ("addmm", "baddbmm"):
+            rest = list(args[1:3]) + [
+                kwargs.get(n) for n in ("mat1", "mat2", "batch1", "batch2") if n in kwargs
+            ]
+            return (rest[0], rest[1]) if len(rest) >= 2 else None
+        if kind == "einsum":
+            ops = args[1:]
+            if len(ops) == 1 and isinstance(ops[0], list | tuple):
+                ops = tuple(ops[0])
+            return (ops[0], ops[1]) if len(ops) == 2 else None
+        return (args[0], args[1]) if len(args) >= 2 else None
+
+    def _projection(
+        self, func: Callable[..., Any], index: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> Any:
+        kind = _LINEAR.get(func)
+        if kind is None and func is _RMATMUL:
+            kind, args = "matmul", (args[1], args[0])
+        if kind is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
+            return out
+        operands = self._operands(kind, args, kwargs)
+        if operands is None or not all(isinstance(o, torch.Tensor) for o in operands):
+            return out
+        a, b = operands
+        a_param, b_param = id(a) in self.param_like, id(b) in self.param_like
+        if a_param == b_param:
+            if not a_param and out.dim() >= 3:
+                self._record_product(kind, args, a, b, out)
+            return out
+        act, weight = (b, a) if a_param else (a, b)
+        leaf = out.detach().requires_grad_(True)
+        handed = leaf.clone()
+        name = self.param_names.get(id(weight), self._param_source(weight))
+        self.trace.projections.append(
+            Projection(index, name, self.stack[-1] if self.stack else "", id(act), id(handed), leaf)
+        )
+        return handed
+
+    def _param_source(self, tensor: torch.Tensor) -> str:
+        """Name of the parameter a parameter-derived tensor (``w.T``, ``w.to(bf16)``) came from."""
+        todo, seen = [id(tensor)], set()
+        while todo:
+            n = todo.pop()
+            if n in self.param_names:
+                return self.param_names[n]
+            seen.add(n)
+            todo.extend(p for p in self.trace.parents.get(n, ()) if p not in seen)
+        return "?"
+
+    # ------------------------------------------------------------ eager attention
+    def _record_product(self, kind: str, args: tuple[Any, ...], a: Any, b: Any, out: torch.Tensor) -> None:
+        """Remember a product of two activations that may be attention logits, as (q, k)."""
+        if kind == "einsum":
+            m = _EINSUM_TERM.match(str(args[0]))
+            if m is None:
+                return
+            lhs, rhs, res = m.groups()
+            if not (len(lhs) == len(rhs) == len(res) and lhs[-1] == rhs[-1] and lhs[-1] not in res):
+                return
+            self.products[id(out)] = (a, b)  # "...ld,...sd->...ls"
+        else:
+            self.products[id(out)] = (a, self._derived(b.transpose(-2, -1), b))
+
+    def _derived(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+        """Enter a tensor the trace made itself (a view of `old`) into the data-flow graph."""
+        t = self.trace
+        t.parents[id(new)] = {id(old)}
+        t.created[id(new)] = t.created.get(id(old), t.ops)
+        t.shapes[id(new)] = tuple(new.shape)
+        t.keep.append(new)
+        return new
+
+    def _follow_products(
+        self,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        inputs: list[torch.Tensor],
+        outputs: list[torch.Tensor],
+    ) -> None:
+        for x in inputs:
+            origin = self.products.get(id(x))
+            if origin is not None:
+                for o in outputs:
+                    self.products.setdefault(id(o), origin)
+                return
+
+    def _eager_call(self, index: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> AttentionCall | None:
+        x = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if not isinstance(x, torch.Tensor) or x.dim() != 4 or dim not in (-1, 3):
+            return None
+        origin = self.products.get(id(x))
+        if origin is None:
+            return None
+        q, k = origin
+        if q.dim() == 3 and k.dim() == 3:  # (B·H, L, E) as in Bloom's baddbmm: heads folded into the batch
+            b, h = x.shape[0], x.shape[1]
+            q = self._derived(q.reshape(b, h, *q.shape[-2:]), q)
+            k = self._derived(k.reshape(b, h, *k.shape[-2:]), k)
+        if q.dim() != 4 or k.dim() != 4:
+            return None
+        return AttentionCall(index, "eager", tuple(self.stack), q, k, None)
+
+
+@contextmanager
+def _module_stack(model: nn.Module, trace: Trace, stack: list[str]) -> Iterator[None]:
+    """Hooks on every module keeping `stack` (paths of running modules) and `trace.modules` up to
+    date: the pre-hook runs first and the post-hook last, so a module's output is recorded after
+    its own hooks (e.g. an intervention's) changed it."""
+    open_calls: list[ModuleCall] = []
+
+    def pre(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+            first = first_tensor_in(list(args) + list(kwargs.values()))
+            call = ModuleCall(path, trace.ops, input=id(first) if first is not None else None)
+            trace.modules.append(call)
+            open_calls.append(call)
+            stack.append(path)
+
+        return hook
+
+    def post(path: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            if not open_calls or open_calls[-1].path != path:
+                return
+            call = open_calls.pop()
+            stack.pop()
+            call.end = trace.ops
+            out = first_tensor_in(output)
+            call.output = id(out) if out is not None else None
+            trace.keep.append(output)
+
+        return hook
+
+    handles = []
+    try:
+        for path, module in model.named_modules():
+            handles.append(module.register_forward_pre_hook(pre(path), prepend=True, with_kwargs=True))
+            handles.append(module.register_forward_hook(post(path), always_call=True))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def _model_unchanged(model: nn.Module) -> Iterator[None]:
+    """Restore the RNG streams and every buffer after the traced forward (nothing about training changes)."""
+    buffers = [(b, b.detach().clone()) for b in model.buffers() if b.device.type != "meta"]
+    devices: list[int] = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = list(range(torch.cuda.device_count()))
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buf, saved in buffers:
+                    buf.copy_(saved)
+
+
+def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Trace:
+    """Run ``model(*args, **kwargs)`` once under the trace and return what it recorded.
+
+    Gradients are enabled for the pass (so q and k can be followed back to their projections); no
+    parameter gradient is ever computed. The RNG streams and buffers are restored afterwards.
+    """
+    trace = Trace()
+    params = {id(p): n for n, p in model.named_parameters()}
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    trace.device_type = device.type
+    stack: list[str] = []
+    recorder = _Recorder(trace, params, stack)
+    with (
+        _tracing(),
+        _model_unchanged(model),
+        torch.inference_mode(False),
+        torch.enable_grad(),
+        _module_stack(model, trace, stack),
+        recorder,
+    ):
+        trace.output = model(*args, **kwargs)
+    return trace
+
+
+def is_add(op_name: str) -> bool:
+    """True for the op names an elementwise addition of two tensors records."""
+    return op_name in {"add", "__add__", "__radd__", "add_", "__iadd__"}

@@ -1,0 +1,111 @@
+"""Which output features of which projection make each head's queries and keys, read from the traced
+computation itself (autograd from the call's q and k back to the projection outputs).
+
+Runs once, after `stabkit.discovery.trace.run_trace`. At sequence position 0 rotary embeddings are
+the identity, so there the map from a projection's output features to (head, dim) of q is a plain
+selection whatever the layout: concatenated ``[Q | K | V]``, interleaved per head (GPT-NeoX,
+Bloom), grouped-query, or separate projections. One backward per head gives the features of that
+head; a head whose features do not all carry the same coefficient (a norm or another mixing op
+sits between the projection and the call) is reported as not a plain slice.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .roles import is_norm
+from .trace import Projection, Trace
+
+
+@dataclass
+class HeadSource:
+    """Where the queries (or keys) of one attention call come from."""
+
+    projection: Projection | None
+    """The projection whose output feeds them (None when none or several do)."""
+    columns: list[list[int]]
+    """Per head (as the call sees the heads), the projection's output features, in head-dim order."""
+    plain: bool
+    """True when every head is a plain slice of the projection output (scaling allowed)."""
+    normed_by: str | None = None
+    """Path of a norm module between the projection and the call (the model's own QK-norm)."""
+    reason: str = ""
+    """Why `projection` is None or `plain` is False."""
+
+    @property
+    def distinct_heads(self) -> int:
+        """Number of distinct feature sets (the true kv heads when the call sees repeated ones)."""
+        return len({tuple(c) for c in self.columns})
+
+
+def _grad(x: torch.Tensor, leaves: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor | None]:
+    return list(torch.autograd.grad(x, leaves, weight, retain_graph=True, allow_unused=True))
+
+
+def head_source(
+    trace: Trace, x: torch.Tensor | None, before: int, modules: dict[str, nn.Module]
+) -> HeadSource | None:
+    """The source of `x` ((B, H, L, E) queries or keys at a call made at op index `before`).
+
+    None when `x` cannot be followed (meta device, or it does not depend on any projection)."""
+    if x is None or trace.device_type == "meta" or not x.requires_grad or x.dim() != 4:
+        return None
+    candidates = [p for p in trace.projections if p.index < before]
+    if not candidates:
+        return None
+    leaves = [p.leaf for p in candidates]
+    weight = torch.zeros_like(x)
+    weight[0, :, 0, :] = 1.0
+    used = [
+        (p, g)
+        for p, g in zip(candidates, _grad(x, leaves, weight))
+        if g is not None and bool(g.abs().sum() > 0)
+    ]
+    if not used:
+        return None
+    if len(used) > 1:
+        names = ", ".join(p.param for p, _ in used)
+        return HeadSource(None, [], False, reason=f"computed from several projections ({names})")
+    proj = used[0][0]
+    heads, dim = x.shape[1], x.shape[3]
+    columns: list[list[int]] = []
+    plain = True
+    for h in range(heads):
+        weight.zero_()
+        weight[0, h, 0, :] = 1.0
+        g = _grad(x, [proj.leaf], weight)[0]
+        assert g is not None
+        g2 = g.detach().reshape(-1, g.shape[-1]).float()  # (rows, features)
+        rows = (g2.abs().sum(1) > 0).nonzero().flatten()
+        cols = (g2.abs().sum(0) > 0).nonzero().flatten()
+        coef = g2[:, cols][g2[:, cols] != 0]
+        if (
+            len(rows) != 1
+            or len(cols) != dim
+            or not torch.allclose(coef, coef[:1].expand_as(coef), rtol=1e-4)
+        ):
+            plain = False
+        columns.append([int(c) for c in cols])
+    source = HeadSource(proj, columns, plain)
+    source.normed_by = _norm_between(trace, proj, x, before, modules)
+    if not plain:
+        source.reason = "the heads are not plain slices of the projection output" + (
+            f" ({source.normed_by} normalises them)" if source.normed_by else ""
+        )
+    return source
+
+
+def _norm_between(
+    trace: Trace, proj: Projection, x: torch.Tensor, before: int, modules: dict[str, nn.Module]
+) -> str | None:
+    """Path of a norm module that ran between the projection and the call on the way to `x`."""
+    upstream = trace.ancestors(id(x), since=proj.index)
+    for call in trace.modules:
+        if proj.index <= call.start and call.end <= before and call.output in upstream:
+            module = modules.get(call.path)
+            if module is not None and is_norm(module):
+                return call.path
+    return None

@@ -1,0 +1,501 @@
+"""Build a ModelMap from a traced forward: blocks, attention call sites, heads, q/k rows, MLP, norm
+placement and the final logits, all from what the model did (see `stabkit.discovery.trace`).
+
+Runs once at discovery time. Names are used only where the trace cannot tell (which child is the
+value projection) and to label the family.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable
+from typing import Any
+
+from torch import nn
+
+from .families import family_of
+from .families import mlp_path as mlp_path_by_name
+from .modelmap import AttentionMap, BlockMap, DiscoveryError, LogitsMap, ModelMap, NormMap
+from .roles import OUT_NAMES, V_NAMES, child, is_norm, map_attention, norm_kind
+from .trace import AttentionCall, ModuleCall, Projection, Trace, is_add
+from .trace_heads import HeadSource, head_source
+
+CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_PRE = NormMap("", "", "", "pre")
+
+
+def _parent(path: str) -> str:
+    return path.rpartition(".")[0]
+
+
+def _under(path: str, prefix: str) -> bool:
+    return prefix == "" or path == prefix or path.startswith(prefix + ".")
+
+
+def _lineage(path: str) -> list[str]:
+    """`path` and its ancestors, innermost first, without the root."""
+    out = []
+    while path:
+        out.append(path)
+        path = _parent(path)
+    return out
+
+
+def block_of_scope(scope: str, scopes: set[str], modules: dict[str, nn.Module]) -> str:
+    """The repeated unit holding an attention call site: the innermost ancestor (or the scope itself)
+    held by a container (ModuleList, Sequential, ModuleDict) next to a sibling of the same class that
+    also holds attention calls; else such an ancestor under any parent (but not a call site beside
+    another: BART's self- and cross-attention share a class); else the innermost one held by a
+    container; else the scope."""
+
+    def repeated(path: str) -> bool:
+        parent_path = _parent(path)
+        mine = modules[path]
+        for name, sibling in modules[parent_path].named_children():
+            full = f"{parent_path}.{name}" if parent_path else name
+            if full != path and type(sibling) is type(mine) and any(_under(s, full) for s in scopes):
+                return True
+        return False
+
+    lineage = _lineage(scope)
+    for path in lineage:
+        if isinstance(modules[_parent(path)], CONTAINERS) and repeated(path):
+            return path
+    for path in lineage:
+        if path not in scopes and repeated(path):
+            return path
+    for path in lineage:
+        if isinstance(modules[_parent(path)], CONTAINERS):
+            return path
+    return scope
+
+
+class _Builder:
+    """State shared while turning one trace into a map."""
+
+    def __init__(self, model: nn.Module, trace: Trace) -> None:
+        self.model = model
+        self.trace = trace
+        self.modules = dict(model.named_modules())
+        self.calls_by_output = {m.output: m for m in trace.modules if m.output is not None}
+        self._sources: dict[tuple[int, str], HeadSource | None] = {}
+
+    def source(self, call: AttentionCall, which: str) -> HeadSource | None:
+        """The traced source of the call's queries ('q') or keys ('k'), computed once."""
+        key = (call.index, which)
+        if key not in self._sources:
+            x = call.q if which == "q" else call.k
+            self._sources[key] = head_source(self.trace, x, call.index, self.modules)
+        return self._sources[key]
+
+    # ------------------------------------------------------------------ helpers
+    def module_output_of(self, proj: Projection) -> str | None:
+        """The module whose output is this projection's output (nn.Linear, HF Conv1D), if any."""
+        for call in self.trace.modules:
+            if call.path != proj.module or not (call.start <= proj.index < call.end):
+                continue
+            if call.output is None:
+                return None
+            if call.output == proj.output or proj.output in self.trace.ancestors(
+                call.output, since=proj.index
+            ):
+                shape_in = self.trace.shapes.get(proj.output, ())
+                shape_out = self.trace.shapes.get(call.output, ())
+                if shape_in[-1:] == shape_out[-1:]:
+                    return call.path
+        return None
+
+    def window(self, block: str) -> tuple[int, int, ModuleCall | None]:
+        """Op range of the block's (first) forward and its call record (None when it is never called)."""
+        own = [m for m in self.trace.modules if m.path == block]
+        if own:
+            return own[0].start, own[0].end, own[0]
+        inner = self.trace.calls_of(block)
+        return min(m.start for m in inner), max(m.end for m in inner), None
+
+    def derives(self, node: int | None, source: int | None, since: int) -> bool:
+        return node is not None and source is not None and source in self.trace.ancestors(node, since)
+
+    # ------------------------------------------------------------------ attention
+    def attention_map(self, call: AttentionCall, block: str) -> AttentionMap:
+        scope = call.scope
+        module = self.modules[scope]
+        if call.kind == "torch_mha":
+            amap = map_attention(self.model, scope)
+            amap.cross = call.query_input != call.key_input
+            amap.found = "traced"
+            return amap
+        amap = AttentionMap(path=scope, impl=call.kind, found="traced")
+        assert call.q is not None and call.k is not None
+        amap.n_heads, amap.head_dim = int(call.q.shape[1]), int(call.q.shape[-1])
+        amap.n_kv_heads = int(call.k.shape[1])
+        q_src, k_src = self.source(call, "q"), self.source(call, "k")
+        self._projections(amap, q_src, k_src)
+        if k_src is not None and k_src.projection is not None:
+            amap.n_kv_heads = k_src.distinct_heads
+            if k_src.plain and amap.k_columns:
+                amap.k_columns = list(dict.fromkeys(tuple(c) for c in amap.k_columns))  # type: ignore[misc]
+                amap.k_columns = [list(c) for c in amap.k_columns]
+        if q_src is not None and k_src is not None and q_src.projection and k_src.projection:
+            amap.cross = q_src.projection.input != k_src.projection.input
+        else:
+            amap.cross = call.q.shape[2] != call.k.shape[2]
+        out = self._out_projection(call, scope, block)
+        amap.out = out or (f"{scope}.{c}" if scope and (c := child(module, OUT_NAMES)) else None)
+        v = child(module, V_NAMES) if scope != block else None
+        if amap.q and amap.k and v:
+            amap.v = f"{scope}.{v}" if scope else v
+        return amap
+
+    def _projections(self, amap: AttentionMap, q: HeadSource | None, k: HeadSource | None) -> None:
+        notes = [s.reason for s in (q, k) if s is not None and s.reason]
+        if q is None or k is None or q.projection is None or k.projection is None:
+            amap.qk_note = "; ".join(notes) or "q/k could not be followed to a projection"
+            return
+        amap.qk_norm = q.normed_by or k.normed_by
+        q_mod, k_mod = self.module_output_of(q.projection), self.module_output_of(k.projection)
+        if not (q.plain and k.plain):
+            amap.qk_note = "; ".join(notes)
+        elif q_mod is None or k_mod is None:
+            amap.qk_note = "q/k come from an op inside a module's forward, not from a module output"
+        if q_mod is not None and q_mod == k_mod and q.projection.index == k.projection.index:
+            amap.qkv = q_mod
+            amap.qkv_layout = _layout(q.columns, k.columns)
+        else:
+            amap.q, amap.k = q_mod, k_mod
+        amap.q_columns, amap.k_columns = q.columns, k.columns
+
+    def _out_projection(self, call: AttentionCall, scope: str, block: str) -> str | None:
+        """The first projection after the call inside the attention scope (or the block, inline)."""
+        inside = scope if scope != block else block
+        for proj in self.trace.projections:
+            if proj.index > call.index and _under(proj.module, inside):
+                return self.module_output_of(proj)
+        return None
+
+    # ------------------------------------------------------------------ mlp
+    def mlp(self, block: str, scopes: list[str], after: int) -> tuple[str | None, list[Projection]]:
+        """The MLP module of the block and its projections (those after the attention, outside it)."""
+        start, end, _ = self.window(block)
+        attn_owners = {p for s in scopes for p in _lineage(s) if _under(p, block) and p != block}
+        projs = [
+            p
+            for p in self.trace.projections
+            if start <= p.index < end
+            and p.index > after
+            and _under(p.module, block)
+            and not any(_under(p.module, o) for o in attn_owners)
+        ]
+        named = child(self.modules[block], ("mlp", "ffn", "feed_forward", "ff", "mlp_block", "feedforward"))
+        if named is not None:
+            path = f"{block}.{named}" if block else named
+            if not any(_under(s, path) for s in scopes):
+                return path, projs or [p for p in self.trace.projections if _under(p.module, path)]
+        if not projs:
+            return None, []
+        path = _common_module([p.module for p in projs])
+        if path and path != block and _under(path, block) and not any(_under(s, path) for s in scopes):
+            return path, projs
+        return None, projs
+
+    # ------------------------------------------------------------------ norms
+    def norms(
+        self, block: str, subs: list[tuple[str, int | None, int | None, int, int]], scopes: list[str]
+    ) -> tuple[list[NormMap], str]:
+        """Classify the block's norms against its sub-layers ``(name, in, out, start, end)``; norms
+        inside an attention module (its own QK-norm) are not block norms."""
+        start, end, call = self.window(block)
+        t = self.trace
+        block_out = call.output if call is not None else _last_node(t, start, end)
+        norm_calls = [
+            m
+            for m in t.modules
+            if start <= m.start
+            and m.end <= end
+            and _under(m.path, block)
+            and m.path != block
+            and is_norm(self.modules[m.path])
+            and m.input is not None
+            and m.output is not None
+            and not any(_under(m.path, sc) for sc in scopes if sc != block)
+        ]
+        taken: dict[str, NormMap] = {}
+        positions: dict[str, set[str]] = {name: set() for name, *_ in subs}
+        for name, _s_in, s_out, _s0, s_end in subs:
+            after = [n for n in norm_calls if n.start >= s_end and n.path not in taken]
+            first = next((n for n in after if self.derives(n.input, s_out, start)), None)
+            if first is None or block_out is None:
+                continue
+            bypass = first.input in t.ancestors(block_out, start, frozenset({first.output or -1}))
+            if bypass:
+                continue
+            position = "post" if self._residual_between(s_out, first.input, start) else "sandwich"
+            taken[first.path] = NormMap(first.path, norm_kind(self.modules[first.path]), name, position)
+            positions[name].add(position)
+        for name, s_in, _s_out, s_start, _e in subs:
+            free = [
+                n for n in norm_calls if n.end <= s_start + 1 and taken.get(n.path, _PRE).position == "pre"
+            ]
+            guard = next((n for n in reversed(free) if self.derives(s_in, n.output, start)), None)
+            if guard is not None:  # a norm feeding two sub-layers (parallel blocks) keeps its first
+                taken.setdefault(
+                    guard.path, NormMap(guard.path, norm_kind(self.modules[guard.path]), name, "pre")
+                )
+                positions[name].add("pre")
+        for n in norm_calls:  # a norm shared by two sub-layers (parallel blocks) is listed once
+            if n.path not in taken:
+                taken[n.path] = NormMap(n.path, norm_kind(self.modules[n.path]), "unknown", "unknown")
+        order = {m.path: m.start for m in norm_calls}
+        norms = sorted(taken.values(), key=lambda nm: order.get(nm.path, 0))
+        return norms, _placement([positions[name] for name, *_ in subs])
+
+    def _residual_between(self, source: int | None, target: int | None, since: int) -> bool:
+        """True when the way from `source` to `target` passes an add whose other operand is not
+        computed from `source` and has the sum's shape (a residual connection)."""
+        t = self.trace
+        if source is None or target is None:
+            return False
+        for node in t.ancestors(target, since):
+            if (
+                node == source
+                or not is_add(t.op_name.get(node, ""))
+                or source not in t.ancestors(node, since)
+            ):
+                continue
+            for p in t.parents.get(node, ()):
+                if source not in t.ancestors(p, since) and t.shapes.get(p) == t.shapes.get(node):
+                    return True
+        return False
+
+
+def _common_module(paths: list[str]) -> str:
+    """The deepest module path containing every path in `paths`."""
+    parts = [p.split(".") for p in paths]
+    common: list[str] = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        common.append(level[0])
+    return ".".join(common)
+
+
+def _last_node(trace: Trace, start: int, end: int) -> int | None:
+    best, best_index = None, -1
+    for node, index in trace.created.items():
+        if start <= index < end and index > best_index:
+            best, best_index = node, index
+    return best
+
+
+def _placement(per_sublayer: Iterable[set[str]]) -> str:
+    kinds = set()
+    for positions in per_sublayer:
+        if positions == {"pre", "sandwich"}:
+            kinds.add("sandwich")
+        elif positions == {"pre"}:
+            kinds.add("pre")
+        elif positions == {"post"} or positions == {"pre", "post"}:
+            kinds.add("post")
+        elif positions == {"sandwich"}:
+            kinds.add("output")
+        else:
+            kinds.add("unknown")
+    return kinds.pop() if len(kinds) == 1 else "unknown"
+
+
+def _layout(q_cols: list[list[int]], k_cols: list[list[int]]) -> str:
+    flat_q = [c for h in q_cols for c in h]
+    width = len(flat_q)
+    if flat_q == list(range(width)) and [c for h in k_cols for c in h][:1] == [width]:
+        return "q|k|v"
+    return "traced"
+
+
+def _find_logits(output: Any) -> tuple[Any, str | int | None]:
+    """The logits tensor in a model output and how to take it: (tensor, key)."""
+    import torch
+
+    if isinstance(output, torch.Tensor):
+        return output, None
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits, "logits"
+    if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
+        return output["logits"], "logits"
+    if isinstance(output, tuple | list):
+        for i, v in enumerate(output):
+            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2:
+                return v, i
+    return None, None
+
+
+def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
+    """Turn a trace into a ModelMap (see the module docstring). Raises DiscoveryError when the traced
+    forward made no attention call stabkit recognises."""
+    b = _Builder(model, trace)
+    if not trace.calls:
+        kinds = sorted({type(b.modules[m.path]).__name__ for m in trace.modules if m.path})[:12]
+        raise DiscoveryError(
+            f"traced one forward of {type(model).__name__}: no attention call was seen "
+            "(F.scaled_dot_product_attention, a softmax over q·kᵀ, or nn.MultiheadAttention); "
+            f"modules that ran: {', '.join(kinds) or 'none'}. If this model computes attention in a "
+            "custom kernel, stabkit cannot see its logits; pass model_map= hints to monitor the rest"
+        )
+    scopes = {c.scope for c in trace.calls}
+    by_block: dict[str, list[AttentionCall]] = {}
+    for call in trace.calls:
+        by_block.setdefault(block_of_scope(call.scope, scopes, b.modules), []).append(call)
+    blocks: list[BlockMap] = [_block(b, 0, path, calls) for path, calls in by_block.items()]
+    blocks += _silent_blocks(b, blocks)
+    first_run = {m.path: i for i, m in reversed(list(enumerate(trace.modules)))}
+    blocks.sort(key=lambda bm: first_run.get(bm.path, len(trace.modules)))
+    for index, bm in enumerate(blocks):
+        bm.index = index
+    mmap = ModelMap(family="traced", blocks=blocks)
+    mmap.found = {"blocks": "traced", "attention": "traced", "heads": "traced", "placement": "traced"}
+    _logits(b, mmap)
+    return mmap
+
+
+def _silent_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
+    """Repeated units that ran but made no attention call stabkit can see (a custom kernel, hand-rolled
+    normalisation): mapped by names so the attention probe watches them and says so, and a warning
+    lists them — never a silent partial map."""
+    known = {bm.path for bm in blocks}
+    ran = {m.path for m in b.trace.modules}
+    out: list[BlockMap] = []
+    for bm in blocks:
+        parent = _parent(bm.path)
+        if not bm.path or not isinstance(b.modules[parent], CONTAINERS):
+            continue
+        rel = bm.attention.path[len(bm.path) + 1 :] if bm.attention.path != bm.path else ""
+        for name, sibling in b.modules[parent].named_children():
+            path = f"{parent}.{name}" if parent else name
+            if path in known or path not in ran or type(sibling) is not type(b.modules[bm.path]):
+                continue
+            attn_path = f"{path}.{rel}" if rel else path
+            if attn_path not in b.modules:
+                continue
+            known.add(path)
+            amap = map_attention(b.model, attn_path)
+            amap.impl, amap.found = "unknown", "named"
+            amap.qk_note = "its forward made no attention call stabkit recognises"
+            out.append(BlockMap(index=0, path=path, attention=amap, placement=bm.placement, norms=[]))
+    if out:
+        warnings.warn(
+            "stabkit: these blocks ran without an attention call stabkit can see (not "
+            "F.scaled_dot_product_attention, a softmax over q·kᵀ, or nn.MultiheadAttention), so their "
+            f"attention logits cannot be monitored: {', '.join(bm.path for bm in out)}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+    return out
+
+
+def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> BlockMap:
+    seen: dict[str, AttentionMap] = {}
+    first_call: dict[str, AttentionCall] = {}
+    for call in calls:
+        if call.scope not in seen:
+            seen[call.scope] = b.attention_map(call, path)
+            first_call[call.scope] = call
+    attns = sorted(seen.values(), key=lambda a: a.cross)
+    scopes = list(seen)
+    last_attn_end = max(_scope_end(b, c.scope, c.index, path) for c in calls)
+    mlp_path, mlp_projs = b.mlp(path, scopes, last_attn_end)
+    if mlp_path is None:  # e.g. nn.TransformerEncoderLayer: linear1/linear2 are the block's own children
+        block_module = b.modules[path]
+        rel = mlp_path_by_name(family_of(block_module), block_module)
+        if rel is not None and not any(_under(sc, f"{path}.{rel}") for sc in scopes):
+            mlp_path = f"{path}.{rel}" if path else rel
+    subs: list[tuple[str, int | None, int | None, int, int]] = []
+    attn_in: int | None = None
+    attn_out: int | None = None
+    for scope, call in first_call.items():
+        s_in, s_out, s0, s1 = _sublayer_of_attention(b, call, scope, path)
+        if attn_in is None:
+            attn_in, attn_out = s_in, s_out
+        subs.append(("attn", s_in, s_out, s0, s1))
+    parallel = False
+    if mlp_projs:
+        m_in = mlp_projs[0].input
+        m_call = next((m for m in b.trace.modules if m.path == mlp_path), None) if mlp_path else None
+        m_out = m_call.output if m_call is not None else mlp_projs[-1].output
+        m_start = m_call.start if m_call is not None else mlp_projs[0].index
+        m_end = m_call.end if m_call is not None else mlp_projs[-1].index + 1
+        subs.append(("mlp", m_in, m_out, m_start, m_end))
+        start, _, _ = b.window(path)
+        parallel = attn_out is not None and not b.derives(m_in, attn_out, start)
+    norms, placement = b.norms(path, subs, scopes)
+    return BlockMap(
+        index=index,
+        path=path,
+        attention=attns[0],
+        mlp=mlp_path,
+        norms=norms,
+        placement=placement,  # type: ignore[arg-type]
+        attentions=attns,
+        parallel=parallel,
+    )
+
+
+def _scope_end(b: _Builder, scope: str, call_index: int, block: str) -> int:
+    if scope == block:
+        return call_index
+    for m in b.trace.modules:
+        if m.path == scope and m.start <= call_index < m.end:
+            return m.end
+    return call_index
+
+
+def _sublayer_of_attention(
+    b: _Builder, call: AttentionCall, scope: str, block: str
+) -> tuple[int | None, int | None, int, int]:
+    """(input id, output id, first op, last op) of the attention sub-layer of one call site."""
+    q_src = b.source(call, "q") if call.q is not None else None
+    s_in = q_src.projection.input if q_src is not None and q_src.projection is not None else None
+    if call.kind == "torch_mha":
+        s_in = call.query_input
+    record = next((m for m in b.trace.modules if m.path == scope and m.start <= call.index < m.end), None)
+    if scope != block and record is not None:
+        return s_in if s_in is not None else record.input, record.output, record.start, record.end
+    return s_in, call.output, call.index, call.index + 1
+
+
+def logits_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
+    """A map holding only the final logits (for z_loss / logit_softcap when no attention is found)."""
+    mmap = ModelMap(family="traced", blocks=[])
+    _logits(_Builder(model, trace), mmap)
+    return mmap
+
+
+def _logits(b: _Builder, mmap: ModelMap) -> None:
+    """Find the final logits: the model output computed by a projection after the last block."""
+    t = b.trace
+    tensor, key = _find_logits(t.output)
+    if tensor is None:
+        return
+    last_end = b.window(mmap.blocks[-1].path)[1] if mmap.blocks else 0
+    upstream = t.ancestors(id(tensor), since=last_end)
+    heads = [p for p in t.projections if p.index >= last_end and p.output in upstream]
+    if not heads:
+        return
+    head = heads[-1]
+    head_module = b.module_output_of(head)
+    mmap.output_head = head_module
+    mmap.vocab_size = int(tensor.shape[-1])
+    call = b.calls_by_output.get(id(tensor))
+    if head_module is not None and call is not None and call.path == head_module:
+        mmap.logits = LogitsMap(head_module, None, "traced")
+    else:
+        mmap.logits = LogitsMap("", key, "traced")
+    norms = [
+        m.path
+        for m in t.modules
+        if m.start >= last_end
+        and m.end <= head.index + 1
+        and is_norm(b.modules[m.path])
+        and m.output in upstream
+    ]
+    mmap.final_norm = norms[-1] if norms else None
+    mmap.found["logits"] = "traced"
