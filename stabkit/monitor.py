@@ -25,6 +25,7 @@ from . import lifecycle
 from .config import MonitorConfig
 from .detectors.wiring import install as install_detectors
 from .discovery import ModelMap, inspect
+from .discovery.discover import needs_first_forward
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .interventions import Handle
@@ -108,6 +109,7 @@ class Monitor:
         model_map: ModelMap | dict[str, Any] | None = None,
         interventions: InterventionSpecs | None = None,
         scaler: torch.amp.GradScaler | None = None,
+        example: Any = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -123,14 +125,9 @@ class Monitor:
         self.optimizer = optimizer
         self.config = config or MonitorConfig()
         self.logdir = Path(logdir) if logdir is not None else None
-        self.interventions = self._apply_interventions(interventions)
+        self.interventions: Handle | None = None
         """The handle of the interventions `attach` switched on (None when none were asked for)."""
-        try:
-            self.model_map = inspect(model, model_map)
-        except BaseException:
-            if self.interventions is not None:
-                self.interventions.remove()
-            raise
+        self._model_map: ModelMap | None = None
         self.dist = detect(model)
         """This rank's place in a torch.distributed job (mode 'single' when not distributed)."""
         self.recorder = Recorder(reducer=reduce_stacked if self.dist.active else None)
@@ -144,37 +141,100 @@ class Monitor:
         self.drain_hooks: list[DrainHook] = [lambda _, rows: finish_ratios(rows)] if self.dist.sharded else []
         self._step = 0
         self._detached = False
+        self.probes: list[Probe] = []
+        self.detectors: Any = None
+        """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
+        self.audit_report: Any = None
+        self._input_guard: Any = None
+        self._pending: Any = None
+        self.sinks = rank_sinks(
+            self.logdir, self.config, self.dist
+        )  # only rank 0 writes under torch.distributed
+        lifecycle.register(self)
+        if model_map is None and example is None and needs_first_forward(model):
+            # No input stabkit can make for this model: discovery traces the first forward instead.
+            self._pending = model.register_forward_pre_hook(
+                self._discover_on_first_forward, prepend=True, with_kwargs=True
+            )
+            self._interventions_spec = interventions
+            return
+        try:
+            self._finish_attach(model_map, example, interventions)
+        except BaseException:
+            self.sinks.close()
+            lifecycle.unregister(self)
+            raise
+
+    @property
+    def model_map(self) -> ModelMap:
+        """The roles discovery found (`stabkit.inspect`). Before the first forward, for a model that
+        discovery waits for, raises RuntimeError."""
+        if self._model_map is None:
+            raise RuntimeError(
+                "stabkit: discovery waits for the model's first forward (stabkit cannot make an example "
+                "input for this model); run a forward first, or pass attach(..., example=inputs)"
+            )
+        return self._model_map
+
+    def _discover_on_first_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
+        """Forward pre-hook on the root, once: trace this forward's inputs (RNG and buffers restored),
+        then finish attaching before the forward itself runs, so this step is monitored too."""
+        self._pending.remove()
+        self._pending = None
+        try:
+            self._finish_attach(None, (tuple(args), dict(kwargs)), self._interventions_spec)
+        except BaseException:  # nothing stays attached; the error says what discovery saw
+            self._detached = True
+            self.sinks.close()
+            lifecycle.unregister(self)
+            raise
+
+    def _finish_attach(
+        self, model_map: ModelMap | dict[str, Any] | None, example: Any, interventions: Any
+    ) -> None:
+        """Discovery, interventions, probes, detectors and the audit: at attach, or at the first forward."""
+        model = self.model
+        self.interventions = self._apply_interventions(interventions, model_map, example)
+        try:
+            self._model_map = inspect(model, model_map, example=example)
+        except BaseException:
+            if self.interventions is not None:
+                self.interventions.remove()
+            raise
         cfg = self.config
-        self.sinks = rank_sinks(self.logdir, cfg, self.dist)  # only rank 0 writes under torch.distributed
-        self.context = ProbeContext(model, self.model_map, optimizer, self.recorder, cfg, lambda: self._step)
-        self.context.extras["scaler"] = scaler
+        self.context = ProbeContext(
+            model, self.model_map, self.optimizer, self.recorder, cfg, lambda: self._step
+        )
+        self.context.extras["scaler"] = self.scaler
         self.context.extras["dist"] = self.dist
         self.probes = _build_probes(cfg)
         self._input_guard = model.register_forward_pre_hook(check_inputs, with_kwargs=True)
-        self.detectors: Any = None
-        """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
         try:
             for probe in self.probes:
                 probe.attach(self.context)
             self.detectors = install_detectors(self, cfg.detect) if cfg.detect is not None else None
         except BaseException:
             self._remove_hooks()
-            self.sinks.close()
+            if self.interventions is not None:
+                self.interventions.remove()
             raise
         self.sinks.write_text("stabkit/model_map", "```\n" + self.model_map.describe() + "\n```")
         if self.interventions is not None:
             self.sinks.write_text("stabkit/interventions", ", ".join(self.interventions.names))
         self.audit_report = self._run_audit() if cfg.audit else None
-        lifecycle.register(self)
 
-    def _apply_interventions(self, specs: InterventionSpecs | None) -> Handle | None:
+    def _apply_interventions(
+        self, specs: InterventionSpecs | None, model_map: Any = None, example: Any = None
+    ) -> Handle | None:
         """Switch on the requested interventions before discovery; new gains join the optimizer
         as their own parameter group (no weight decay)."""
         if not specs:
             return None
         from .interventions import apply_many
 
-        handle = apply_many(self.model, specs)
+        if example is not None and model_map is None:
+            inspect(self.model, example=example)  # trace once now: the interventions reuse the map
+        handle = apply_many(self.model, specs, model_map)
         new = handle.new_parameters()
         if new and self.optimizer is not None:
             self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
@@ -322,7 +382,11 @@ class Monitor:
                 )
 
     def _remove_hooks(self) -> None:
-        self._input_guard.remove()
+        if self._pending is not None:
+            self._pending.remove()
+            self._pending = None
+        if self._input_guard is not None:
+            self._input_guard.remove()
         if self.detectors is not None:
             self.detectors.remove()
         for probe in self.probes:
@@ -348,12 +412,15 @@ def attach(
     model_map: ModelMap | dict[str, Any] | None = None,
     interventions: InterventionSpecs | None = None,
     scaler: torch.amp.GradScaler | None = None,
+    example: Any = None,
 ) -> Monitor:
     """Attach stabkit to `model` (and `optimizer`): hooks on, statistics to `logdir`.
 
     Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
-    the monitor as a context manager). `model_map` overrides discovery (a ModelMap or a dict of
-    hints, see `stabkit.inspect`). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
+    the monitor as a context manager). Discovery traces one forward (see `stabkit.inspect`): on
+    `example` when given, else on a small input stabkit makes for token and image models, else on
+    the first forward the model runs (the monitor then finishes attaching right before it).
+    `model_map` overrides discovery (a ModelMap or a dict of hints). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
     gradient norms are unscaled and skipped steps are reported as `amp/overflow`. `interventions` switches fixes on first (e.g.
     ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again.
     """
@@ -365,4 +432,5 @@ def attach(
         model_map=model_map,
         interventions=interventions,
         scaler=scaler,
+        example=example,
     )

@@ -171,8 +171,11 @@ def test_bad_inputs_raise_actionable_errors() -> None:
         stabkit.MonitorConfig(every=0)
     with pytest.raises(ValueError, match="unknown name"):
         stabkit.MonitorConfig(families=frozenset({"acts"}))
-    with pytest.raises(stabkit.DiscoveryError, match="no attention found"):
-        stabkit.attach(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))
+    mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    stabkit.attach(mlp)  # no input stabkit can make: discovery traces the first forward
+    with pytest.raises(stabkit.DiscoveryError, match="no attention call was seen"):
+        mlp(torch.randn(2, 4))
+    assert not mlp._forward_pre_hooks and not mlp._forward_hooks  # nothing stays attached
 
 
 def test_attach_writes_the_audit_once(tmp_path: Path) -> None:

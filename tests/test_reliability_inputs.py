@@ -47,10 +47,15 @@ def test_non_module_and_bad_config() -> None:
 
 def test_model_without_attention_names_what_it_found() -> None:
     mlp = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    stabkit.attach(mlp)
     with pytest.raises(
-        stabkit.DiscoveryError, match=r"no attention found in Sequential.*Linear×2.*override="
+        stabkit.DiscoveryError,
+        match=r"traced one forward of Sequential: no attention call.*Linear, ReLU.*model_map=",
     ):
-        stabkit.attach(mlp)
+        mlp(torch.randn(2, 4))
+    tokens = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8))  # an input stabkit can make: fails at attach
+    with pytest.raises(stabkit.DiscoveryError, match=r"no attention call was seen.*Embedding, Linear"):
+        stabkit.attach(tokens)
 
 
 def test_optimizer_with_foreign_parameters() -> None:
@@ -102,21 +107,33 @@ def test_intervention_that_cannot_apply_names_intervention_module_and_missing_pi
             self.attn = nn.MultiheadAttention(8, 2, batch_first=True)
             self.mlp = nn.Linear(8, 8)
 
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.mlp(x + self.attn(x, x, x, need_weights=False)[0])
+
     class Tiny(nn.Module):
         def __init__(self) -> None:
             super().__init__()
             self.layers = nn.ModuleList(NoNormAttn() for _ in range(2))
 
-    with pytest.raises(InterventionError, match=r"rmsnorm: cannot apply to Tiny: no nn\.LayerNorm found"):
-        stabkit.attach(Tiny(), interventions=["rmsnorm"])
-    with pytest.raises(
-        InterventionError, match=r"z_loss: cannot apply to Tiny: no output head found \(pass model_map"
-    ):
-        stabkit.attach(Tiny(), interventions=["z_loss"])
-    with pytest.raises(
-        InterventionError, match=r"norm_placement: cannot apply to layers\.0: .*residual wiring"
-    ):
-        stabkit.attach(Tiny(), interventions=[("norm_placement", {"to": "post"})])
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    x = torch.randn(2, 5, 8)  # float inputs: discovery and the interventions wait for the first forward
+    for spec, message in [
+        (["rmsnorm"], r"rmsnorm: cannot apply to Tiny: no nn\.LayerNorm found"),
+        (["z_loss"], r"z_loss: cannot apply to Tiny: no final logits found.*\(pass model_map"),
+        (
+            [("norm_placement", {"to": "post"})],
+            r"norm_placement: cannot apply to layers\.0: .*residual wiring",
+        ),
+    ]:
+        model = Tiny()
+        stabkit.attach(model, interventions=spec)
+        with pytest.raises(InterventionError, match=message):
+            model(x)
+        assert not model._forward_pre_hooks  # nothing stays attached
 
 
 class OddOutput(nn.Module):

@@ -65,7 +65,8 @@ def traced_or_named(
         reason = "sharded parameters (a traced forward would run collectives)"
     if ex is not None:
         try:
-            trace = run_trace(model, *ex)
+            stashed = _TRACES.pop(model, None) if example is None else None
+            trace = stashed[1] if stashed is not None and stashed[0] == key else run_trace(model, *ex)
             mmap = map_from_trace(model, trace)
         except DiscoveryError as exc:
             try:
@@ -135,3 +136,28 @@ def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
         return logits_from_trace(model, run_trace(model, *ex))
     except Exception:  # the model needs inputs stabkit cannot guess
         return None
+
+
+_TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
+"""model -> (signature, trace) of a trace `needs_first_forward` ran, for the `inspect` that follows."""
+
+
+def needs_first_forward(model: nn.Module) -> bool:
+    """True when discovery should wait for the model's first forward: no input can be made for it,
+    or the input stabkit makes does not fit its forward (e.g. an encoder-decoder taking two
+    sequences). Sharded models use names instead. A trace that did run is kept for `inspect`."""
+    if _sharded(model):
+        return False
+    key = _signature(model)
+    cached = _CACHE.get(model)
+    if cached is not None and cached[0] == key:
+        return False
+    ex = synthesize_example(model)
+    if ex is None:
+        return True
+    try:
+        trace = run_trace(model, *ex)
+    except Exception:  # the made-up input does not fit this model
+        return True
+    _TRACES[model] = (key, trace)
+    return False

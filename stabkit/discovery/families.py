@@ -57,7 +57,7 @@ def attention_impl(family: str, attn: nn.Module) -> str:
 
 def mlp_path(family: str, block: nn.Module) -> str | None:
     """Relative path of the module whose output is the block's MLP output."""
-    if family == "torch-encoder":
+    if family == "torch-encoder" or isinstance(block, nn.TransformerDecoderLayer):
         return "linear2"
     return child(block, ("mlp", "ffn", "feed_forward", "ff", "mlp_block", "feedforward", "fc"))
 

@@ -316,11 +316,17 @@ class _Recorder(TorchFunctionMode):
     def _record_product(self, kind: str, args: tuple[Any, ...], a: Any, b: Any, out: torch.Tensor) -> None:
         """Remember a product of two activations that may be attention logits, as (q, k)."""
         if kind == "einsum":
-            m = _EINSUM_TERM.match(str(args[0]))
+            m = _EINSUM_TERM.match(str(args[0]).replace(" ", ""))
             if m is None:
                 return
             lhs, rhs, res = m.groups()
-            if not (len(lhs) == len(rhs) == len(res) and lhs[-1] == rhs[-1] and lhs[-1] not in res):
+            if not (
+                len(lhs) == len(res) and lhs[-1] == rhs[-1] and lhs[-1] not in res and rhs[-2] == res[-1]
+            ):
+                return
+            if len(rhs) == len(lhs) - 1 and b.dim() == a.dim() - 1:  # one key head shared (MQA): "bhid,bjd"
+                b = self._derived(b.unsqueeze(-3), b)
+            elif len(rhs) != len(lhs):
                 return
             self.products[id(out)] = (a, b)  # "...ld,...sd->...ls"
         else:

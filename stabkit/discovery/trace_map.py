@@ -374,8 +374,10 @@ def _silent_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
             if path in known or path not in ran or type(sibling) is not type(b.modules[bm.path]):
                 continue
             attn_path = f"{path}.{rel}" if rel else path
-            if attn_path not in b.modules:
-                continue
+            if attn_path not in b.modules or type(b.modules[attn_path]) is not type(
+                b.modules[bm.attention.path]
+            ):
+                continue  # same wrapper class, other content (an interleaved list's MLP entry)
             known.add(path)
             amap = map_attention(b.model, attn_path)
             amap.impl, amap.found = "unknown", "named"

@@ -84,7 +84,13 @@ def apply_norm_placement(model: nn.Module, to: str = "sandwich", model_map_overr
                 _encoder(handle, model, module, block, to)
             elif to == "sandwich" and block.placement == "pre":
                 _sandwich_hooks(handle, model, module, block)
-            elif to == "post" and family in REWIRED_FAMILIES and block.placement == "pre":
+            elif (
+                to == "post"
+                and family in REWIRED_FAMILIES
+                and block.placement == "pre"
+                and not block.parallel
+                and len(block.attentions) == 1
+            ):
                 _rewire_post(handle, module, block)
             else:
                 raise InterventionError(
@@ -125,21 +131,40 @@ def _encoder(handle: Handle, model: nn.Module, layer: nn.Module, bmap: BlockMap,
 
 def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: BlockMap) -> None:
     """Output norms on the attention and MLP modules' outputs, registered on the block."""
-    targets = {"attn": bmap.attention.path, "mlp": bmap.mlp}
-    for sub, target in targets.items():
+    targets: list[tuple[str, str, str | None]] = [
+        ("attn", OUT_NORMS["attn"] + (f"_{i}" if i else ""), a.path) for i, a in enumerate(bmap.attentions)
+    ]
+    targets.append(("mlp", OUT_NORMS["mlp"], bmap.mlp))
+    for sub, slot, target in targets:
         if target is None:
             raise InterventionError(NAME, bmap.path, f"no {sub} module found for the sandwich output norm")
-        src_path = f"{bmap.path}.{_norm_for(bmap, sub)}"
+        if target == bmap.path:
+            raise InterventionError(
+                NAME,
+                bmap.path,
+                "attention is computed inline in the block's forward: no sub-layer module "
+                "whose output could take the sandwich norm",
+            )
+        src_path = f"{bmap.path}.{_template_norm(bmap, sub)}"
         src = model.get_submodule(src_path)
         new = norm_like(NAME, src, src_path, norm_width(src))
-        add_module(handle, NAME, block, bmap.path, OUT_NORMS[sub], new)
-        slot = OUT_NORMS[sub]
+        add_module(handle, NAME, block, bmap.path, slot, new)
 
         def hook(mod: nn.Module, args: Any, out: Any, _slot: str = slot) -> Any:
             norm = block.get_submodule(_slot)  # looked up per call: a later rmsnorm swap applies
             return map_first(out, norm)
 
         keep_hook(handle, model.get_submodule(target).register_forward_hook(hook))
+
+
+def _template_norm(block: BlockMap, sublayer: str) -> str:
+    """The norm a new sandwich output norm copies (kind, eps): the one guarding `sublayer`, else any
+    pre norm of the block (a parallel block may share one norm between attention and MLP)."""
+    found = [n for n in block.norms if n.sublayer == sublayer and n.position == "pre"]
+    found = found or [n for n in block.norms if n.position == "pre"]
+    if not found:
+        raise InterventionError(NAME, block.path, f"no norm guarding the {sublayer} sub-layer found")
+    return _rel(block, found[0].path)
 
 
 def _rewire_post(handle: Handle, block: nn.Module, bmap: BlockMap) -> None:
