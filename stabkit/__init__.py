@@ -2,17 +2,91 @@
 
 Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`inspect`),
 and watch per-layer stability statistics in TensorBoard.
+
+`import stabkit` is light: the public names below (and the subpackages, e.g.
+``stabkit.interventions``) load on first use (PEP 562), so the CLI answers ``--help`` without
+importing torch.
 """
 
-from .audit import audit
-from .config import MonitorConfig
-from .detectors import DetectConfig
-from .discovery import DiscoveryError, ModelMap, inspect
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .events import Event, InstabilityError
-from .interventions import z_loss
-from .monitor import Monitor, attach
+
+if TYPE_CHECKING:
+    from .audit import audit
+    from .config import MonitorConfig
+    from .detectors import DetectConfig
+    from .discovery import DiscoveryError, ModelMap, inspect
+    from .interventions import z_loss
+    from .monitor import Monitor, attach
+else:
+    # `stabkit.audit` names the function, not the subpackage of the same name. Importing a
+    # subpackage sets it as an attribute of its parent the first time it loads; load the (light)
+    # subpackage now and drop that attribute, so `__getattr__` hands out the function on first use.
+    importlib.import_module(".audit", __name__)
+    globals().pop("audit", None)
 
 __version__ = "0.1.0"
+
+_LAZY = {
+    "audit": "audit",
+    "MonitorConfig": "config",
+    "DetectConfig": "detectors",
+    "DiscoveryError": "discovery",
+    "ModelMap": "discovery",
+    "inspect": "discovery",
+    "z_loss": "interventions",
+    "Monitor": "monitor",
+    "attach": "monitor",
+}
+"""Public name -> the submodule it comes from (imported on first access)."""
+
+_SUBMODULES = frozenset(
+    {
+        "attention",
+        "audit",
+        "bench",
+        "cli",
+        "config",
+        "data",
+        "detectors",
+        "discovery",
+        "distributed",
+        "events",
+        "integrations",
+        "interventions",
+        "lifecycle",
+        "models",
+        "monitor",
+        "probes",
+        "recipes",
+        "sinks",
+        "stats",
+        "training",
+    }
+)
+"""Subpackages reachable as attributes after a bare ``import stabkit`` (e.g. ``stabkit.models.GPT``)."""
+
+
+def __getattr__(name: str) -> Any:
+    """Load a public name (or a subpackage) the first time it is asked for, then keep it."""
+    module = _LAZY.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(f".{module}", __name__), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f".{name}", __name__)
+    else:
+        raise AttributeError(f"module 'stabkit' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__) | _SUBMODULES)
+
 
 __all__ = [
     "DetectConfig",

@@ -2,13 +2,44 @@
 
 Runs once, before training. Each finding names the modules, the evidence read from the model,
 why it matters (with a source) and the intervention or setting that addresses it.
+
+The names below load on first use (PEP 562): importing this package does not import torch.
 """
 
-from .context import AuditContext
-from .core import RULES, audit, describe_rules
-from .findings import INTERVENTIONS, Finding, Report
-from .memory import KVCache, MemorySummary
-from .spec import build_from_spec, run_inspect_cli, spec_names
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import AuditContext
+    from .core import RULES, audit, describe_rules
+    from .findings import INTERVENTIONS, Finding, Report
+    from .memory import KVCache, MemorySummary
+    from .spec import build_from_spec, run_inspect_cli, spec_names
+
+_LAZY = {
+    "AuditContext": "context",
+    "RULES": "core",
+    "audit": "core",
+    "describe_rules": "core",
+    "INTERVENTIONS": "findings",
+    "Finding": "findings",
+    "Report": "findings",
+    "KVCache": "memory",
+    "MemorySummary": "memory",
+    "build_from_spec": "spec",
+    "run_inspect_cli": "spec",
+    "spec_names": "spec",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabkit.audit' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
     "INTERVENTIONS",

@@ -65,12 +65,36 @@ def build_from_spec(spec: str, device: str | torch.device = "meta") -> nn.Module
     raise ValueError(f"unknown model spec {spec!r}; use one of {', '.join(spec_names())}")
 
 
-def run_inspect_cli(spec: str, audit: bool = False, as_json: bool = False, seq_len: int | None = None) -> str:
+CPU_PARAMS = 10_000_000
+"""Reference presets with fewer block parameters than this are built on the CPU by `run_inspect_cli`."""
+
+
+def inspect_device(spec: str) -> str:
+    """Where `run_inspect_cli` builds SPEC: small reference presets (tiny, small) on the CPU, where
+    building and tracing them takes milliseconds (the first op on the meta device imports
+    torch._dynamo, ~2 s of CPU), everything else on the meta device (no memory)."""
+    name = spec.strip()
+    if name in PRESETS:
+        cfg = preset_config(name)
+        if 12 * cfg.n_layers * cfg.d_model**2 < CPU_PARAMS:
+            return "cpu"
+    return "meta"
+
+
+def run_inspect_cli(
+    spec: str,
+    audit: bool = False,
+    as_json: bool = False,
+    seq_len: int | None = None,
+    device: str | None = None,
+) -> str:
     """The text `stabkit inspect [--audit] [--json] SPEC` prints: the ModelMap, plus the audit, or JSON.
 
-    Runs once per CLI call. Raises ValueError for a bad spec (the CLI should print it as one line, exit 2).
+    Runs once per CLI call; builds the model on `device` (default: `inspect_device(spec)`). Raises
+    ValueError for a bad spec (the CLI should print it as one line, exit 2).
     """
-    model = build_from_spec(spec)
+    device = device or inspect_device(spec)
+    model = build_from_spec(spec, device)
     mmap = inspect(model)
     report = run_audit(model, model_map=mmap, seq_len=seq_len) if audit else None
     if as_json:
@@ -78,7 +102,7 @@ def run_inspect_cli(spec: str, audit: bool = False, as_json: bool = False, seq_l
         if report is not None:
             out["audit"] = report.to_dict()
         return json.dumps(out, indent=2)
-    parts = [f"model: {spec} ({type(model).__name__}, meta device)", mmap.describe()]
+    parts = [f"model: {spec} ({type(model).__name__}, {device} device)", mmap.describe()]
     if report is not None:
         parts.append(report.to_text())
     return "\n\n".join(parts)

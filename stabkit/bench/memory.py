@@ -21,10 +21,15 @@ import resource
 import subprocess
 import sys
 import tempfile
+import time
+from collections.abc import Mapping
 from dataclasses import asdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from .runner import Progress
 
 MMAP_THRESHOLD = "16384"
 """Bytes above which glibc serves (and returns) allocations with mmap in the measuring child."""
@@ -78,18 +83,79 @@ def measure_in_subprocess(cfg: Any, variant: str) -> tuple[int, int]:
     return int(rss), int(tensors)
 
 
-def cpu_memory_overheads(cfg: Any) -> dict[str, dict[str, int | None]]:
-    """Per method ('tensor', 'rss'): overhead per variant in bytes, and 'noise' = |bare − bare again|."""
-    bare = measure_in_subprocess(cfg, "bare")
-    again = measure_in_subprocess(cfg, "bare")
+def memory_plan(cfg: Any) -> list[str]:
+    """The variant each fresh process measures, in order: bare twice (its noise), then the others."""
+    return ["bare", "bare", *(v for v in cfg.variants if v != "bare")]
+
+
+PROFILE_STEP_COST = 15
+"""A profiled step (with stacks, then the memory-timeline export) costs about this many plain steps."""
+
+
+class ProcessClock:
+    """Estimates how long the memory processes left will take.
+
+    A process costs a fixed part (start-up and imports, the throw-away warm-up, attaching) plus its
+    steps at the variant's step time from the timed rounds, profiled steps counted
+    `PROFILE_STEP_COST` times: ``seconds = fixed + work × step_time``. Fitted on the processes done
+    so far: ``fixed`` alone while they all had the same step time, ``fixed`` and ``work`` by least
+    squares once two differ. Before the first one ends, ``fixed`` is guessed as twice `startup`
+    (this process's own import time).
+    """
+
+    def __init__(self, cfg: Any, step_seconds: Mapping[str, float], startup: float) -> None:
+        self.plan = memory_plan(cfg)
+        self.work = float(cfg.warmup + cfg.steps + PROFILE_STEP_COST * PROFILED_STEPS)
+        self.step_seconds = dict(step_seconds)
+        self.fixed = 2 * startup
+        self.done: list[tuple[float, float]] = []
+
+    def finished(self, variant: str, seconds: float) -> None:
+        """Record the wall time of a process that measured `variant`, and refit."""
+        self.done.append((self.step_seconds.get(variant, 0.0), seconds))
+        xs, ys = [x for x, _ in self.done], [y for _, y in self.done]
+        mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+        spread = sum((x - mx) ** 2 for x in xs)
+        if spread > 0:
+            slope = sum((x - mx) * (y - my) for x, y in self.done) / spread
+            if slope > 0:
+                self.work = slope
+        self.fixed = max(0.0, my - self.work * mx)
+
+    def seconds(self, variant: str) -> float:
+        """Expected wall time of one process measuring `variant`."""
+        return self.fixed + self.work * self.step_seconds.get(variant, 0.0)
+
+    def remaining(self, done: int) -> float:
+        """Seconds for the processes after the first `done` of the plan."""
+        return sum(self.seconds(v) for v in self.plan[done:])
+
+
+def cpu_memory_overheads(
+    cfg: Any, progress: Progress | None = None, clock: ProcessClock | None = None
+) -> dict[str, dict[str, int | None]]:
+    """Per method ('tensor', 'rss'): overhead per variant in bytes, and 'noise' = |bare − bare again|.
+
+    Runs the processes of `memory_plan` one after another; `progress.begin` / `update(1)` around
+    each, `clock.finished` after each."""
+    measured: list[tuple[int, int]] = []
+    plan = memory_plan(cfg)
+    for i, variant in enumerate(plan):
+        if progress is not None:
+            progress.begin(f"{variant} again (noise)" if variant == "bare" and i else variant)
+        start = time.perf_counter()
+        measured.append(measure_in_subprocess(cfg, variant))
+        if clock is not None:
+            clock.finished(variant, time.perf_counter() - start)
+        if progress is not None:
+            progress.update(1)
+    bare, again_ = measured[0], measured[1]
     out: dict[str, dict[str, int | None]] = {
-        "rss": {"bare": 0, "noise": abs(again[0] - bare[0])},
-        "tensor": {"bare": 0, "noise": abs(again[1] - bare[1])},
+        "rss": {"bare": 0, "noise": abs(again_[0] - bare[0])},
+        "tensor": {"bare": 0, "noise": abs(again_[1] - bare[1])},
     }
-    for v in cfg.variants:
-        if v != "bare":
-            rss, tensors = measure_in_subprocess(cfg, v)
-            out["rss"][v], out["tensor"][v] = rss - bare[0], tensors - bare[1]
+    for v, (rss, tensors) in zip(plan[2:], measured[2:]):
+        out["rss"][v], out["tensor"][v] = rss - bare[0], tensors - bare[1]
     return out
 
 

@@ -13,9 +13,10 @@ import contextlib
 import statistics
 import tempfile
 import time
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,18 @@ from ..models import GPT, PRESET_BATCH, preset_config
 from ..monitor import Monitor, attach
 
 VARIANTS = ("bare", "default", "full", "anomaly")
+
+QUICK = {"steps": 10, "repeats": 3, "warmup": 2}
+"""`stabkit bench --quick`: shorter, fewer rounds (about a minute for `small` on a CPU) and no memory
+phase; per-round ratios then spread more, and the table states that wider noise band."""
+
+
+class Progress(Protocol):
+    """What `run_bench` reports to (the CLI's `Phase`): units are training steps."""
+
+    def begin(self, item: str) -> None: ...
+
+    def update(self, n: int = 1) -> None: ...
 
 
 @dataclass
@@ -49,6 +62,8 @@ class BenchConfig:
     variants: tuple[str, ...] = VARIANTS
     """Which variants to run (bare is always run)."""
     seed: int = 0
+    quick: bool = False
+    """Quick mode (`QUICK`): the table says its noise band is wider and memory was not measured."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
@@ -107,6 +122,20 @@ class BenchResult:
         """Process-CPU-time ratio of medians against bare."""
         return self.variants[name].cpu_median / self.variants["bare"].cpu_median
 
+    def round_ratios(self, name: str) -> list[float]:
+        """The budget ratio of each round (CPU time on a CPU, wall on CUDA): variant over bare in
+        the same round, so slow spells of the machine cancel."""
+        cpu = self.config["device"] == "cpu"
+        mine = self.variants[name].cpu_times if cpu else self.variants[name].step_times
+        bare = self.variants["bare"].cpu_times if cpu else self.variants["bare"].step_times
+        return [m / b for m, b in zip(mine, bare) if b > 0]
+
+    def noise(self, name: str) -> float | None:
+        """Half the spread (max − min) of the per-round budget ratios: the noise band of the ratio
+        (None with a single round)."""
+        ratios = self.round_ratios(name)
+        return (max(ratios) - min(ratios)) / 2 if len(ratios) > 1 else None
+
     def budget_ratio(self, name: str) -> float:
         """The ratio the budget is judged on: CPU time on a CPU (one thread: immune to neighbours' load), wall on CUDA."""
         return self.cpu_ratio(name) if self.config["device"] == "cpu" else self.ratio(name)
@@ -121,6 +150,7 @@ class BenchResult:
                 "ratio_to_bare": self.ratio(name),
                 "median_cpu_step_s": v.cpu_median,
                 "cpu_ratio_to_bare": self.cpu_ratio(name),
+                "ratio_noise": self.noise(name),
                 "memory_overhead_bytes": self.memory.get(name),
                 "rss_overhead_bytes": self.memory_rss.get(name),
                 "memory_overhead_fraction": (
@@ -150,7 +180,11 @@ class _Trainer:
         self.monitor: Monitor | None = None
 
     def run(self, steps: int, anomaly: bool = False) -> None:
-        ctx = torch.autograd.detect_anomaly(check_nan=True) if anomaly else contextlib.nullcontext()
+        ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        if anomaly:
+            with warnings.catch_warnings():  # "Anomaly Detection has been enabled": on purpose here
+                warnings.simplefilter("ignore", UserWarning)
+                ctx = torch.autograd.detect_anomaly(check_nan=True)
         with ctx:
             for _ in range(steps):
                 x, y = self.batches[self.cursor % len(self.batches)]
@@ -203,22 +237,36 @@ def monitor_config(variant: str) -> MonitorConfig | None:
     return None
 
 
-def run_bench(cfg: BenchConfig, progress: Any = None) -> BenchResult:
-    """Interleaved rounds of every variant; returns medians, ratios and memory (see module doc)."""
+def total_steps(cfg: BenchConfig) -> int:
+    """Training steps `run_bench` runs (warm-up and timed), the units it reports progress in."""
+    return len(cfg.variants) * (cfg.warmup + cfg.repeats * cfg.steps)
+
+
+def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
+    """Interleaved rounds of every variant; returns medians, ratios and memory (see module doc).
+
+    `progress.begin(what)` is called before each warm-up and timed block, `progress.update(steps)`
+    after it (between timed blocks, never inside one)."""
     batches = make_batches(cfg)
     results = {name: VariantResult(name) for name in cfg.variants}
     trainers = {name: _Trainer(cfg, batches) for name in cfg.variants}
     with tempfile.TemporaryDirectory(prefix="stabkit-bench-") as tmp:
         for name, tr in trainers.items():
+            if progress is not None:
+                progress.begin(f"warm-up {name}")
             mcfg = monitor_config(name)
             if mcfg is not None:
                 tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
             tr.run(cfg.warmup, anomaly=name == "anomaly")
+            if progress is not None:
+                progress.update(cfg.warmup)
         order = list(cfg.variants)
         try:
             for r in range(cfg.repeats):
                 rotation = order[r % len(order) :] + order[: r % len(order)]
                 for name in rotation:
+                    if progress is not None:
+                        progress.begin(f"round {r + 1}/{cfg.repeats} {name}")
                     tr = trainers[name]
                     if cfg.device == "cuda":
                         torch.cuda.synchronize()
@@ -232,7 +280,7 @@ def run_bench(cfg: BenchConfig, progress: Any = None) -> BenchResult:
                     results[name].step_times.append((time.perf_counter() - start) / cfg.steps)
                     results[name].cpu_times.append((time.process_time() - cpu_start) / cfg.steps)
                     if progress is not None:
-                        progress.update(1)
+                        progress.update(cfg.steps)
         finally:
             for tr in trainers.values():
                 if tr.monitor is not None:

@@ -1,60 +1,98 @@
-"""`stabkit bench`: monitoring overhead against a bare loop (see stabkit.bench)."""
+"""`stabkit bench`: monitoring overhead against a bare loop (see stabkit.bench).
+
+Two phases, each with its progress on stderr (`Phase`): the interleaved timed rounds, then (CPU)
+one fresh process per variant for memory, with an estimate of the time left.
+"""
 
 from __future__ import annotations
 
 import json
-import sys
-from typing import Any
+import time
 
 import click
-import torch
 
-from ..bench import BenchConfig, format_table, run_bench
-from ..bench.memory import cpu_memory_overheads
 from .app import main
+from .progress import Phase, duration
+
+VARIANT_NAMES = ("bare", "default", "full", "anomaly")
+"""`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
+SIZES = ("tiny", "small", "gpt2", "1b")
+"""Presets `bench` offers (`stabkit.models.PRESETS`)."""
 
 
 @main.command()
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
+@click.option("--size", default="small", show_default=True, type=click.Choice(SIZES))
 @click.option(
-    "--size", default="small", show_default=True, type=click.Choice(["tiny", "small", "gpt2", "1b"])
+    "--steps",
+    default=None,
+    type=click.IntRange(1),
+    help="Timed steps per round.  [default: 40; 10 with --quick]",
 )
-@click.option("--steps", default=40, show_default=True, type=click.IntRange(1), help="Timed steps per round.")
-@click.option("--repeats", default=5, show_default=True, type=click.IntRange(1), help="Interleaved rounds.")
+@click.option(
+    "--repeats",
+    default=None,
+    type=click.IntRange(1),
+    help="Interleaved rounds.  [default: 5; 3 with --quick]",
+)
 @click.option("--bf16", is_flag=True, help="bf16 autocast (CUDA).")
-@click.option("--variants", default="bare,default,full,anomaly", show_default=True, help="Comma-separated.")
+@click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, help="Comma-separated.")
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
+@click.option(
+    "--quick",
+    is_flag=True,
+    help="About a minute (size small, CPU): fewer, shorter rounds and no memory phase; the table "
+    "states the wider noise band.",
+)
 @click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results here."
 )
 def bench(
     device: str,
     size: str,
-    steps: int,
-    repeats: int,
+    steps: int | None,
+    repeats: int | None,
     bf16: bool,
     variants: str,
     no_memory: bool,
+    quick: bool,
     json_path: str | None,
 ) -> None:
     """Time a bare loop against stabkit's default and full-detail monitoring and detect_anomaly."""
+    loading = time.perf_counter()
+    import torch
+
+    from ..bench import QUICK, BenchConfig, format_table, run_bench
+    from ..bench.memory import ProcessClock, cpu_memory_overheads, memory_plan
+    from ..bench.runner import total_steps
+
+    startup = time.perf_counter() - loading
     if device == "cpu":
         torch.set_num_threads(1)
     cfg = BenchConfig(
         size=size,
         device=device,
-        steps=steps,
-        repeats=repeats,
+        steps=steps or (QUICK["steps"] if quick else BenchConfig.steps),
+        repeats=repeats or (QUICK["repeats"] if quick else BenchConfig.repeats),
+        warmup=QUICK["warmup"] if quick else BenchConfig.warmup,
         bf16=bf16,
         variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
+        quick=quick,
     )
-    rounds = repeats * len(cfg.variants)
-    progress: Any = click.progressbar(length=rounds, label="benchmarking", file=sys.stderr)
-    with progress as bar:
-        result = run_bench(cfg, progress=bar)
+    label = f"timing {cfg.repeats} rounds x {len(cfg.variants)} variants"
+    with Phase(label, total_steps(cfg), unit="steps") as phase:
+        result = run_bench(cfg, progress=phase)
     noise = None
-    if device == "cpu" and not no_memory:
-        measured = cpu_memory_overheads(cfg)
+    if device == "cpu" and not no_memory and not quick:
+        clock = ProcessClock(cfg, {n: v.median for n, v in result.variants.items()}, startup)
+        plan = memory_plan(cfg)
+        click.echo(
+            f"memory: {len(plan)} fresh processes, one per variant (bare twice), "
+            f"about {duration(clock.remaining(0))} (estimate)",
+            err=True,
+        )
+        with Phase("memory", len(plan), unit="processes", log_units=True, eta=clock.remaining) as phase:
+            measured = cpu_memory_overheads(cfg, progress=phase, clock=clock)
         noise = measured["tensor"].pop("noise")
         rss_noise = measured["rss"].pop("noise")
         result.memory, result.memory_rss = measured["tensor"], measured["rss"]

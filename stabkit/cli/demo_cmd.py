@@ -7,13 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
-from ..config import MonitorConfig
-from ..data import load_corpus
-from ..models import GPT, PRESET_BATCH, preset_config
-from ..monitor import attach
-from ..training import TrainConfig, train
 from .app import main
 
 
@@ -26,6 +20,14 @@ from .app import main
 @click.option("--seed", default=0, show_default=True, type=int)
 def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: int) -> None:
     """Train the reference GPT for a few hundred steps with stabkit attached; open TensorBoard on LOGDIR."""
+    import torch
+
+    from ..config import MonitorConfig
+    from ..data import load_corpus
+    from ..models import GPT, PRESET_BATCH, preset_config
+    from ..monitor import attach
+    from ..training import TrainConfig, train
+
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     corpus = load_corpus(data)

@@ -1,24 +1,34 @@
-"""`stabkit list [interventions|recipes|presets|advice]`: what stabkit ships, one section or all."""
+"""`stabkit list [interventions|recipes|presets|advice]`: what stabkit ships, one section or all.
+
+Runs without importing torch for recipes, presets and advice (plain data read from light
+modules); `interventions` imports the intervention registry, which imports torch.
+"""
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import click
 
 from .app import main
 
+if TYPE_CHECKING:
+    from ..models.config import GPTConfig
+
 SECTIONS = ("interventions", "recipes", "presets", "advice")
 
 
 def interventions_text() -> str:
-    from ..interventions import describe_registry
+    from ..interventions import describe_registry  # imports torch (the registry holds the factories)
 
     return describe_registry()
 
 
 def recipes_text() -> str:
     """Each recipe with its description and what each size is expected to show."""
-    from ..recipes import RecipeError, list_recipe_files
-    from ..recipes.loader import read_toml
+    from ..recipes.errors import RecipeError
+    from ..recipes.loader import list_recipe_files, read_toml
 
     lines = []
     for path in list_recipe_files():
@@ -36,21 +46,32 @@ def recipes_text() -> str:
     return "\n".join(lines) or "no recipes found (looked in ./recipes and next to the stabkit sources)"
 
 
+def _norm_params(cfg: GPTConfig, width: int) -> int:
+    """Parameters of one norm of the reference GPT over `width` features (LayerNorm bias iff cfg.bias)."""
+    return width * (2 if cfg.norm == "layernorm" and cfg.bias else 1)
+
+
+def non_embedding_params(cfg: GPTConfig) -> int:
+    """Parameters of `stabkit.models.GPT(cfg)` without the token/position embeddings and the output
+    head (`GPT.num_parameters()`), counted from the config alone, without building the model."""
+    d, hd, ff = cfg.d_model, cfg.head_dim, cfg.ff_width
+    q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
+    bias = int(cfg.bias)
+    attn = d * q + 2 * d * kv + q * d + bias * (q + 2 * kv + d)
+    if cfg.qk_norm:
+        attn += 2 * _norm_params(cfg, hd)
+    mlp = (2 if cfg.mlp == "swiglu" else 1) * (d * ff + bias * ff) + ff * d + bias * d
+    norms = (4 if cfg.norm_placement == "sandwich" else 2) * _norm_params(cfg, d)
+    return cfg.n_layers * (attn + mlp + norms) + _norm_params(cfg, d)  # + final norm
+
+
 def presets_text() -> str:
     """Model presets: shape, batch and non-embedding parameter count."""
-    import torch
-
-    from ..models import GPT, PRESET_BATCH, PRESETS, preset_config
-    from ..recipes.report import table
+    from ..models.presets import PRESET_BATCH, PRESETS, preset_config
 
     rows = []
     for name in PRESETS:
         cfg = preset_config(name)
-        with torch.device("meta"):
-            model = GPT(cfg)
-        params = sum(
-            p.numel() for n, p in model.named_parameters() if "emb" not in n and not n.startswith("head")
-        )
         rows.append(
             [
                 name,
@@ -59,15 +80,26 @@ def presets_text() -> str:
                 str(cfg.n_heads),
                 str(cfg.context),
                 str(PRESET_BATCH[name]),
-                f"{params / 1e6:.2f} M",
+                f"{non_embedding_params(cfg) / 1e6:.2f} M",
             ]
         )
-    return table(["preset", "d_model", "layers", "heads", "context", "batch", "non-emb params"], rows)
+    return text_table(["preset", "d_model", "layers", "heads", "context", "batch", "non-emb params"], rows)
+
+
+def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """A plain text table, left-aligned first column, right-aligned others."""
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+
+    def line(cells: Sequence[str]) -> str:
+        out = [cells[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
 def advice_text() -> str:
     try:
-        from ..detectors import describe_advice
+        from ..detectors.advice import describe_advice
     except ImportError:
         return "the advice table comes with stabkit.detectors, which is not installed"
     return str(describe_advice())

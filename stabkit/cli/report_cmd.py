@@ -1,10 +1,36 @@
-"""`stabkit report LOGDIR`: read a run's logs back and print its events, advice and summary."""
+"""`stabkit report LOGDIR`: read a run's logs back and print its events, advice and summary.
+
+Logs of `LARGE` bytes or more are read with progress on stderr (`Phase`, bytes read).
+"""
 
 from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import click
 
 from .app import main
+from .progress import Phase
+
+LARGE = 16 << 20
+"""Reading logs of at least this many bytes (together) shows progress."""
+
+
+def mib(n: int) -> str:
+    return f"{n / 2**20:.0f} MiB"
+
+
+@contextlib.contextmanager
+def reading(label: str, paths: Sequence[Path]) -> Iterator[Phase | None]:
+    """A `Phase` counting the bytes of `paths` when they are large, else None."""
+    total = sum(p.stat().st_size for p in paths)
+    if total < LARGE:
+        yield None
+        return
+    with Phase(f"{label} ({mib(total)})", total, fmt=mib, log_items=True) as phase:
+        yield phase
 
 
 @main.command(name="report")
@@ -19,10 +45,26 @@ from .app import main
 )
 def report_command(logdir: str, max_events: int) -> None:
     """Summarise LOGDIR: a `stabkit run` / `stabkit sweep` output folder, or one monitored run's logdir."""
-    from ..recipes.report import events_text, footer, load_run, results_table, sweep_tables, verdict_lines
+    from ..recipes.report import (
+        event_log,
+        events_text,
+        footer,
+        load_run,
+        results_table,
+        single_log,
+        sweep_tables,
+        verdict_lines,
+    )
 
-    summary = load_run(logdir)
+    log = single_log(logdir)
+    with reading(f"reading {log}", [log] if log else []) as phase:
+        summary = load_run(logdir, progress=phase)
     kind = summary.get("kind", "run")
+    events = ""
+    if kind != "sweep":
+        logs = [p for p in map(event_log, summary.get("variants", {}).values()) if p is not None]
+        with reading("reading the events", logs) as phase:
+            events = events_text(summary, max_events, progress=phase)
     title = f"{summary.get('recipe', logdir)} ({kind}"
     if summary.get("size"):
         title += f", {summary['size']}, {summary.get('device', '?')}, seed {summary.get('seed', '?')}, {summary.get('steps', '?')} steps"
@@ -38,7 +80,7 @@ def report_command(logdir: str, max_events: int) -> None:
         click.echo(verdict_lines(summary))
         return
     click.echo("events and advice")
-    click.echo(events_text(summary, max_events))
+    click.echo(events)
     click.echo("")
     click.echo(results_table(summary))
     if summary.get("verdicts"):

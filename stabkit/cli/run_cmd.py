@@ -13,15 +13,16 @@ from pathlib import Path
 from typing import Any
 
 import click
-import torch
 
-from ..models import PRESETS
+from ..models.presets import PRESETS
 from .app import UserInputError, main
 from .progress import MultiProgress
 
 
 def resolve_device(device: str) -> str:
     """auto -> cuda when available, else cpu; cuda without a GPU is a user error."""
+    import torch
+
     if device == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" and not torch.cuda.is_available():
@@ -140,6 +141,8 @@ def run_command(
     Prints a results table and a verdict per variant, writes TensorBoard logs (one folder per
     variant) and OUT/summary.json (rewritten after each variant; "complete": false until the end).
     """
+    import torch
+
     from ..distributed import launched_by_torchrun
     from ..recipes import load_recipe, preflight, run_recipe
     from ..recipes.ddp import check_split

@@ -6,7 +6,6 @@ import sys
 from pathlib import Path
 
 import click
-import torch
 
 from .app import UserInputError, main
 from .progress import MultiProgress
@@ -54,6 +53,8 @@ def sweep_command(
     and over its high end; writes OUT/sweep.json, OUT/lr_sweep.png (with the `plot` extra) and a
     TensorBoard run per (variant, LR) with hparams.
     """
+    import torch
+
     from ..recipes import load_recipe, preflight, run_sweep
     from ..recipes.report import sweep_tables, verdict_lines
 

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from ..discovery import ModelMap
 from ..events import Event
+
+if TYPE_CHECKING:  # annotations only: `stabkit list advice` prints this table without torch
+    from ..discovery import ModelMap
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,6 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from scipy.stats import theilslopes
 
 from ..discovery import ModelMap
 from ..events import Event
@@ -124,6 +123,8 @@ class DriftDetector:
             y = np.abs(raw - (rule.reference or 0.0))
             if y[-1] < level:
                 return None
+        from scipy.stats import theilslopes  # scipy.stats takes ~1.5 s to import: load on the first fit
+
         slope, intercept, low, _high = theilslopes(y, steps)
         span = steps[-1] - steps[0]
         fit_start, fit_end = intercept + slope * steps[0], intercept + slope * steps[-1]

@@ -58,6 +58,9 @@ class AttentionMap:
     """Why q/k rows are unknown, when they are."""
     found: str = "named"
     """How it was found: 'traced' (seen in a forward), 'named' (module names) or 'hint'."""
+    output: str | None = None
+    """Module whose output is the attention sub-layer's output before the residual add, when that is
+    not the attention module itself (Bloom adds the residual inside it: its output projection)."""
 
     @property
     def layout(self) -> str:

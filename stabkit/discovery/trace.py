@@ -213,8 +213,9 @@ class _Recorder(TorchFunctionMode):
         self.trace = trace
         self.param_names = params
         self.param_like: set[int] = set(params)
-        self.products: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        """id of a q·kᵀ-like product (and anything computed from it) -> (q, k) as (..., L, E), (..., S, E)."""
+        self.products: dict[int, tuple[torch.Tensor, torch.Tensor, tuple[str, ...]]] = {}
+        """id of a q·kᵀ-like product (and anything computed from it) -> (q, k, module stack) with q, k as
+        (..., L, E), (..., S, E)."""
         self.stack = stack
 
     def __torch_function__(
@@ -328,9 +329,9 @@ class _Recorder(TorchFunctionMode):
                 b = self._derived(b.unsqueeze(-3), b)
             elif len(rhs) != len(lhs):
                 return
-            self.products[id(out)] = (a, b)  # "...ld,...sd->...ls"
+            self.products[id(out)] = (a, b, tuple(self.stack))  # "...ld,...sd->...ls"
         else:
-            self.products[id(out)] = (a, self._derived(b.transpose(-2, -1), b))
+            self.products[id(out)] = (a, self._derived(b.transpose(-2, -1), b), tuple(self.stack))
 
     def _derived(self, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
         """Enter a tensor the trace made itself (a view of `old`) into the data-flow graph."""
@@ -364,14 +365,17 @@ class _Recorder(TorchFunctionMode):
         origin = self.products.get(id(x))
         if origin is None:
             return None
-        q, k = origin
+        q, k, product_stack = origin
+        # the scope is the innermost module running both the product and the softmax (timm calls an
+        # nn.Softmax module: its parent is the attention)
+        stack = tuple(p for p, r in zip(self.stack, product_stack) if p == r)
         if q.dim() == 3 and k.dim() == 3:  # (B·H, L, E) as in Bloom's baddbmm: heads folded into the batch
             b, h = x.shape[0], x.shape[1]
             q = self._derived(q.reshape(b, h, *q.shape[-2:]), q)
             k = self._derived(k.reshape(b, h, *k.shape[-2:]), k)
         if q.dim() != 4 or k.dim() != 4:
             return None
-        return AttentionCall(index, "eager", tuple(self.stack), q, k, None)
+        return AttentionCall(index, "eager", stack, q, k, None)
 
 
 @contextmanager

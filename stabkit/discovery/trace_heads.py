@@ -57,8 +57,11 @@ def head_source(
     if not candidates:
         return None
     leaves = [p.leaf for p in candidates]
+    gen = torch.Generator().manual_seed(0)
+    # random weights: a sum of a normalised head is constant, so all-ones weights can miss a dependence
+    noise = (torch.rand(x.shape[1], x.shape[3], generator=gen) + 0.5).to(device=x.device, dtype=x.dtype)
     weight = torch.zeros_like(x)
-    weight[0, :, 0, :] = 1.0
+    weight[0, :, 0, :] = noise
     used = [
         (p, g)
         for p, g in zip(candidates, _grad(x, leaves, weight))
@@ -75,16 +78,21 @@ def head_source(
     plain = True
     for h in range(heads):
         weight.zero_()
-        weight[0, h, 0, :] = 1.0
+        weight[0, h, 0, :] = noise[h]
         g = _grad(x, [proj.leaf], weight)[0]
         assert g is not None
         g2 = g.detach().reshape(-1, g.shape[-1]).float()  # (rows, features)
         rows = (g2.abs().sum(1) > 0).nonzero().flatten()
         cols = (g2.abs().sum(0) > 0).nonzero().flatten()
-        coef = g2[:, cols][g2[:, cols] != 0]
+        weight[0, h, 0, :] = 1.0  # a plain slice (times a scale) passes a uniform weight on uniformly
+        ones = _grad(x, [proj.leaf], weight)[0]
+        assert ones is not None
+        coef = ones.detach().reshape(-1, g.shape[-1]).float()[:, cols]
+        coef = coef[coef != 0]
         if (
             len(rows) != 1
             or len(cols) != dim
+            or len(coef) != dim
             or not torch.allclose(coef, coef[:1].expand_as(coef), rtol=1e-4)
         ):
             plain = False

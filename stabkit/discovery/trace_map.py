@@ -8,6 +8,7 @@ value projection) and to label the family.
 from __future__ import annotations
 
 import warnings
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -177,7 +178,14 @@ class _Builder:
     def mlp(self, block: str, scopes: list[str], after: int) -> tuple[str | None, list[Projection]]:
         """The MLP module of the block and its projections (those after the attention, outside it)."""
         start, end, _ = self.window(block)
-        attn_owners = {p for s in scopes for p in _lineage(s) if _under(p, block) and p != block}
+        attn_owners = {
+            p
+            for s in scopes
+            for p in _lineage(s)
+            if _under(p, block)
+            and p != block
+            and not isinstance(self.modules[p], nn.ModuleList | nn.ModuleDict)
+        }
         projs = [
             p
             for p in self.trace.projections
@@ -229,7 +237,7 @@ class _Builder:
             bypass = first.input in t.ancestors(block_out, start, frozenset({first.output or -1}))
             if bypass:
                 continue
-            position = "post" if self._residual_between(s_out, first.input, start) else "sandwich"
+            position = "post" if self.residual_between(s_out, first.input, start) else "sandwich"
             taken[first.path] = NormMap(first.path, norm_kind(self.modules[first.path]), name, position)
             positions[name].add(position)
         for name, s_in, _s_out, s_start, _e in subs:
@@ -249,7 +257,7 @@ class _Builder:
         norms = sorted(taken.values(), key=lambda nm: order.get(nm.path, 0))
         return norms, _placement([positions[name] for name, *_ in subs])
 
-    def _residual_between(self, source: int | None, target: int | None, since: int) -> bool:
+    def residual_between(self, source: int | None, target: int | None, since: int) -> bool:
         """True when the way from `source` to `target` passes an add whose other operand is not
         computed from `source` and has the sum's shape (a residual connection)."""
         t = self.trace
@@ -342,9 +350,14 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
             "custom kernel, stabkit cannot see its logits; pass model_map= hints to monitor the rest"
         )
     scopes = {c.scope for c in trace.calls}
+    first_choice = {sc: block_of_scope(sc, scopes, b.modules) for sc in scopes}
+    common = Counter(type(b.modules[p]) for p in first_choice.values()).most_common(1)[0][0]
     by_block: dict[str, list[AttentionCall]] = {}
     for call in trace.calls:
-        by_block.setdefault(block_of_scope(call.scope, scopes, b.modules), []).append(call)
+        # nested stages of different depth (Swin): prefer the ancestor of the class most blocks have
+        same = [p for p in _lineage(call.scope) if type(b.modules[p]) is common]
+        block = same[0] if same else first_choice[call.scope]
+        by_block.setdefault(block, []).append(call)
     blocks: list[BlockMap] = [_block(b, 0, path, calls) for path, calls in by_block.items()]
     blocks += _silent_blocks(b, blocks)
     first_run = {m.path: i for i, m in reversed(list(enumerate(trace.modules)))}
@@ -372,6 +385,10 @@ def _silent_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
         for name, sibling in b.modules[parent].named_children():
             path = f"{parent}.{name}" if parent else name
             if path in known or path not in ran or type(sibling) is not type(b.modules[bm.path]):
+                continue
+            if any(_under(k, path) or _under(path, k) for k in known) or any(
+                _under(c.scope, path) for c in b.trace.calls
+            ):
                 continue
             attn_path = f"{path}.{rel}" if rel else path
             if attn_path not in b.modules or type(b.modules[attn_path]) is not type(
@@ -410,6 +427,17 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
         rel = mlp_path_by_name(family_of(block_module), block_module)
         if rel is not None and not any(_under(sc, f"{path}.{rel}") for sc in scopes):
             mlp_path = f"{path}.{rel}" if path else rel
+    start, _, _ = b.window(path)
+    if mlp_projs:
+        last = b.module_output_of(mlp_projs[-1])
+        m_call = next((m for m in b.trace.modules if m.path == mlp_path), None) if mlp_path else None
+        inside = m_call is not None and b.residual_between(mlp_projs[-1].output, m_call.output, start)
+        if last is not None and (mlp_path is None or inside):
+            mlp_path = (
+                last  # the MLP's output is its last projection's (fc2; Bloom adds the residual after it)
+            )
+    for a in attns:
+        _output_before_residual(b, a, first_call.get(a.path), start)
     subs: list[tuple[str, int | None, int | None, int, int]] = []
     attn_in: int | None = None
     attn_out: int | None = None
@@ -439,6 +467,21 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
         attentions=attns,
         parallel=parallel,
     )
+
+
+def _output_before_residual(b: _Builder, a: AttentionMap, call: AttentionCall | None, since: int) -> None:
+    """Set `a.output` when the attention module adds the residual itself (its output is not the
+    sub-layer's): then the sub-layer output is its output projection's."""
+    if call is None or a.path == "" or a.out is None:
+        return
+    record = next((m for m in b.trace.modules if m.path == a.path and m.start <= call.index < m.end), None)
+    out_proj = next(
+        (p for p in b.trace.projections if p.index > call.index and _under(p.module, a.path)), None
+    )
+    if record is None or out_proj is None:
+        return
+    if b.residual_between(out_proj.output, record.output, since):
+        a.output = a.out
 
 
 def _scope_end(b: _Builder, scope: str, call_index: int, block: str) -> int:

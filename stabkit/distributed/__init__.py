@@ -5,31 +5,81 @@ ranks by their declared reduction in one collective per log interval (`reduce_st
 Recorder's reducer); norms are taken on each rank's own piece and combine into the norm of the
 whole tensor; only rank 0 writes the sinks (`rank_sinks`); per-step decisions use one agreed
 value on every rank (`agree`, `reduce_now`).
+
+The names below load with their submodule on first use (PEP 562), so importing this package
+alone imports neither torch nor torch.distributed.
 """
 
-from .context import (
-    ENV_SWITCH,
-    SINGLE,
-    DistContext,
-    detect,
-    is_dtensor,
-    local,
-    process_group_active,
-    replicas,
-    unwrap_data_parallel,
-)
-from .launch import init_from_env, launched_by_torchrun, shard_rows, torchrun_command
-from .reduce import (
-    CODES,
-    GATHER_LIMIT,
-    ReductionMismatchError,
-    agree,
-    combine,
-    host_values,
-    reduce_now,
-    reduce_stacked,
-)
-from .sinks import RATIO_PARTS, RankEventEcho, finish_ratios, rank_sinks
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .context import (
+        ENV_SWITCH,
+        SINGLE,
+        DistContext,
+        detect,
+        is_dtensor,
+        local,
+        process_group_active,
+        replicas,
+        unwrap_data_parallel,
+    )
+    from .launch import init_from_env, launched_by_torchrun, shard_rows, torchrun_command
+    from .reduce import (
+        CODES,
+        GATHER_LIMIT,
+        ReductionMismatchError,
+        agree,
+        combine,
+        host_values,
+        reduce_now,
+        reduce_stacked,
+    )
+    from .sinks import RATIO_PARTS, RankEventEcho, finish_ratios, rank_sinks
+
+_LAZY = {
+    **dict.fromkeys(
+        (
+            "ENV_SWITCH",
+            "SINGLE",
+            "DistContext",
+            "detect",
+            "is_dtensor",
+            "local",
+            "process_group_active",
+            "replicas",
+            "unwrap_data_parallel",
+        ),
+        "context",
+    ),
+    **dict.fromkeys(("init_from_env", "launched_by_torchrun", "shard_rows", "torchrun_command"), "launch"),
+    **dict.fromkeys(
+        (
+            "CODES",
+            "GATHER_LIMIT",
+            "ReductionMismatchError",
+            "agree",
+            "combine",
+            "host_values",
+            "reduce_now",
+            "reduce_stacked",
+        ),
+        "reduce",
+    ),
+    **dict.fromkeys(("RATIO_PARTS", "RankEventEcho", "finish_ratios", "rank_sinks"), "sinks"),
+}
+"""Public name -> the submodule that defines it."""
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabkit.distributed' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
     "CODES",

@@ -6,6 +6,7 @@ intervention is a sequence of primitive edits and ``Handle.remove()`` replays th
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
 from typing import Any
 
@@ -174,18 +175,43 @@ def _like(module: nn.Module) -> dict[str, Any]:
 
 
 def norm_like(intervention: str, norm: nn.Module, path: str, dim: int) -> nn.Module:
-    """A fresh norm of the same kind as `norm` (LayerNorm or RMSNorm) over `dim` features: gain 1, bias 0."""
+    """A fresh norm of the same kind as `norm` over `dim` features, gain 1 and bias 0: a LayerNorm or
+    RMSNorm built anew, any other norm class (HF CohereLayerNorm, T5LayerNorm, ...) copied and reset."""
     if isinstance(norm, nn.LayerNorm):
         new: nn.Module = nn.LayerNorm(
             dim, eps=norm.eps, elementwise_affine=norm.elementwise_affine, bias=norm.bias is not None
         )
-    elif "rms" in type(norm).__name__.lower():
+    elif type(norm).__name__ == "RMSNorm" and norm_width(norm) == dim:
         new = RMSNorm(dim, eps=norm_eps(norm))
     else:
-        raise InterventionError(
-            intervention, path, f"norm of type {type(norm).__name__} is neither a LayerNorm nor an RMSNorm"
-        )
+        new = copy.deepcopy(norm)
+        weight, bias = getattr(new, "weight", None), getattr(new, "bias", None)
+        if not isinstance(weight, torch.Tensor) or weight.shape[-1] != dim:
+            raise InterventionError(
+                intervention, path, f"norm of type {type(norm).__name__} has no gain of width {dim} to reset"
+            )
+        with torch.no_grad():
+            weight.fill_(0.0 if _zero_centred(norm) else 1.0)
+            if isinstance(bias, torch.Tensor):
+                bias.zero_()
     return new.to(**_like(norm))
+
+
+def _zero_centred(norm: nn.Module) -> bool:
+    """True for norms that scale by (1 + weight) (Gemma): with weight 0 they still output the
+    normalised input. Tried on a copy with a small random input; runs once at apply time."""
+    probe = copy.deepcopy(norm).float().cpu()
+    weight = getattr(probe, "weight", None)
+    if not isinstance(weight, torch.Tensor):
+        return False
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(2, weight.shape[-1], generator=gen)
+    with torch.no_grad():
+        weight.zero_()
+        bias = getattr(probe, "bias", None)
+        if isinstance(bias, torch.Tensor):
+            bias.zero_()
+        return bool(probe(x).abs().max() > 1e-3)
 
 
 def keep_slow_path(handle: Handle, model: nn.Module, path: str) -> None:

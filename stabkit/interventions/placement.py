@@ -132,7 +132,8 @@ def _encoder(handle: Handle, model: nn.Module, layer: nn.Module, bmap: BlockMap,
 def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: BlockMap) -> None:
     """Output norms on the attention and MLP modules' outputs, registered on the block."""
     targets: list[tuple[str, str, str | None]] = [
-        ("attn", OUT_NORMS["attn"] + (f"_{i}" if i else ""), a.path) for i, a in enumerate(bmap.attentions)
+        ("attn", OUT_NORMS["attn"] + (f"_{i}" if i else ""), a.output or a.path)
+        for i, a in enumerate(bmap.attentions)
     ]
     targets.append(("mlp", OUT_NORMS["mlp"], bmap.mlp))
     for sub, slot, target in targets:

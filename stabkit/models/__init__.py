@@ -1,8 +1,37 @@
-"""The reference GPT the recipes train, its config and size presets."""
+"""The reference GPT the recipes train, its config and size presets.
 
-from .config import GPTConfig
-from .gpt import GPT, Block
-from .layers import RMSNorm, softcap
-from .presets import PRESET_BATCH, PRESETS, preset_config
+The names below load with their submodule on first use (PEP 562): `stabkit.models.presets` and
+`stabkit.models.config` (plain data) can be read without importing torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .config import GPTConfig
+    from .gpt import GPT, Block
+    from .layers import RMSNorm, softcap
+    from .presets import PRESET_BATCH, PRESETS, preset_config
+
+_LAZY = {
+    "GPTConfig": "config",
+    "GPT": "gpt",
+    "Block": "gpt",
+    "RMSNorm": "layers",
+    "softcap": "layers",
+    "PRESET_BATCH": "presets",
+    "PRESETS": "presets",
+    "preset_config": "presets",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabkit.models' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = ["GPT", "PRESETS", "PRESET_BATCH", "Block", "GPTConfig", "RMSNorm", "preset_config", "softcap"]

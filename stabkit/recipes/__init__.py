@@ -3,14 +3,48 @@
 ``load_recipe("attention-logit-growth", "tiny")`` reads and validates ``recipes/<name>.toml``;
 ``run_recipe(recipe, "runs/x", workers=2)`` trains the baseline and every variant side by side and
 judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
+
+The names below load with their submodule on first use (PEP 562): listing and reading recipe files
+(`stabkit.recipes.loader`) does not import torch.
 """
 
-from .checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check
-from .errors import RecipeError
-from .loader import find_recipe, list_recipe_files, load_recipe
-from .recipe import Recipe, VariantSpec
-from .runner import SUMMARY, preflight, run_recipe
-from .sweep import lr_sensitivity, run_sweep
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check
+    from .errors import RecipeError
+    from .loader import find_recipe, list_recipe_files, load_recipe
+    from .recipe import Recipe, VariantSpec
+    from .runner import SUMMARY, preflight, run_recipe
+    from .sweep import lr_sensitivity, run_sweep
+
+_LAZY = {
+    "RUN_QUANTITIES": "checks",
+    "SWEEP_QUANTITIES": "checks",
+    "Check": "checks",
+    "RecipeError": "errors",
+    "find_recipe": "loader",
+    "list_recipe_files": "loader",
+    "load_recipe": "loader",
+    "Recipe": "recipe",
+    "VariantSpec": "recipe",
+    "SUMMARY": "runner",
+    "preflight": "runner",
+    "run_recipe": "runner",
+    "lr_sensitivity": "sweep",
+    "run_sweep": "sweep",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'stabkit.recipes' has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)
+
 
 __all__ = [
     "RUN_QUANTITIES",

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from ..models import PRESETS
+from ..models.presets import PRESETS
 from .errors import RecipeError
 from .fields import deep_merge, table
-from .recipe import SIZE_KEYS, Recipe, parse_recipe
+
+if TYPE_CHECKING:
+    from .recipe import Recipe
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -70,6 +72,8 @@ def read_toml(path: Path) -> dict[str, Any]:
 def resolve_size(doc: dict[str, Any], size: str | None) -> tuple[dict[str, Any], str]:
     """The document with ``[sizes.<size>]`` merged over the top level (size None: the recipe's
     ``size`` key, else tiny), and the size."""
+    from .recipe import SIZE_KEYS  # the parser imports torch: `stabkit list recipes` does not need it
+
     chosen = size or doc.get("size", "tiny")
     if chosen not in PRESETS:
         raise RecipeError("size", f"must be one of {', '.join(PRESETS)}, got {chosen!r}")
@@ -94,6 +98,8 @@ def load_recipe(
     With `steps` shorter than the recipe's, a [fault] step is scaled by the same factor (so a
     shortened run still meets its fault) and warmup is capped at a fifth of the run.
     """
+    from .recipe import parse_recipe
+
     path = find_recipe(spec)
     source = str(path)
     try:

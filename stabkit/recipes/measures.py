@@ -61,12 +61,25 @@ def best_smoothed(losses: list[float]) -> float:
     if not losses:
         return math.nan
     w = max(1, len(losses) // 20)
-    best = math.inf
-    for i in range(len(losses) - w + 1):
-        window = losses[i : i + w]
-        if all(math.isfinite(v) for v in window):
-            best = min(best, sum(window) / w)
-    return best if math.isfinite(best) else math.nan
+    # One pass with a running sum (the windows overlap: summing each one anew is O(n·w), minutes
+    # for a 100k-step log); the sum is recomputed every w steps so rounding cannot drift, and the
+    # chosen window's mean is taken exactly as sum(window) / w.
+    run, bad, best, start = 0.0, 0, math.inf, -1
+    for i, v in enumerate(losses):
+        if i >= w:
+            gone = losses[i - w]
+            bad -= not math.isfinite(gone)
+            if i % w == 0:
+                run = sum(x for x in losses[i - w + 1 : i] if math.isfinite(x))
+            elif math.isfinite(gone):
+                run -= gone
+        if math.isfinite(v):
+            run += v
+        else:
+            bad += 1
+        if i >= w - 1 and not bad and run < best:
+            best, start = run, i - w + 1
+    return sum(losses[start : start + w]) / w if start >= 0 else math.nan
 
 
 def tail_mean(losses: list[float]) -> float:
@@ -81,9 +94,13 @@ def aggregate(history: Iterable[tuple[int, dict[str, float]]], pattern: str, agg
     """`agg` (max, min, mean, first, last) of every logged value whose name matches `pattern`, and
     the name that gave a max / min. NaN when nothing matched. Non-finite values count for max/min."""
     values: list[tuple[int, str, float]] = []
+    matches: dict[str, bool] = {}  # the same few hundred names repeat on every row
     for step, row in history:
         for name, value in row.items():
-            if fnmatch.fnmatchcase(name, pattern):
+            hit = matches.get(name)
+            if hit is None:
+                hit = matches[name] = fnmatch.fnmatchcase(name, pattern)
+            if hit:
                 values.append((step, name, value))
     if not values:
         return math.nan, ""

@@ -10,7 +10,7 @@ import json
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ..sinks import LOG_NAME, read_jsonl
 from .measures import best_smoothed, monitored, tail_mean
@@ -27,24 +27,71 @@ def _float(value: Any) -> Any:
     return value
 
 
-def load_run(logdir: str | Path) -> dict[str, Any]:
+class Progress(Protocol):
+    """Where reading a large log reports to (the CLI's `Phase`): units are bytes."""
+
+    def begin(self, item: str) -> None: ...
+
+    def update(self, n: int = 1) -> None: ...
+
+
+CHUNK = 4 << 20
+"""`read_log` reports progress after about this many bytes."""
+
+
+def read_log(path: str | Path, progress: Progress | None = None) -> list[dict[str, Any]]:
+    """The rows of a stabkit JSONL log, as `sinks.read_jsonl` reads them (a torn line is skipped,
+    metric values become floats), reporting the bytes read to `progress` every `CHUNK` bytes."""
+    if progress is None:
+        return read_jsonl(path)
+    rows, pending = [], 0
+    with open(path, "rb") as fh:
+        for raw in fh:
+            pending += len(raw)
+            if pending >= CHUNK:
+                progress.update(pending)
+                pending = 0
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                continue
+            if row.get("type") == "metrics":
+                row["values"] = {k: float(v) for k, v in row["values"].items()}
+            rows.append(row)
+    progress.update(pending)
+    return rows
+
+
+def single_log(logdir: str | Path) -> Path | None:
+    """The ``stabkit.jsonl`` `load_run` reads everything from when LOGDIR is one monitored run's
+    logdir (no summary.json or sweep.json), else None."""
+    root = Path(logdir)
+    if (root / SUMMARY).is_file() or (root / "sweep.json").is_file() or not (root / LOG_NAME).is_file():
+        return None
+    return root / LOG_NAME
+
+
+def load_run(logdir: str | Path, progress: Progress | None = None) -> dict[str, Any]:
     """A run's summary: ``summary.json`` (a recipe run or sweep), or one built from a single
-    monitored run's ``stabkit.jsonl``. FileNotFoundError when LOGDIR holds neither."""
+    monitored run's ``stabkit.jsonl`` (bytes read reported to `progress`, then
+    ``progress.begin("summarising ...")``). FileNotFoundError when LOGDIR holds neither."""
     root = Path(logdir)
     if (root / SUMMARY).is_file():
         return _float(json.loads((root / SUMMARY).read_text(encoding="utf-8")))
     if (root / "sweep.json").is_file():
         return _float(json.loads((root / "sweep.json").read_text(encoding="utf-8")))
     if (root / LOG_NAME).is_file():
-        return _single(root)
+        return _single(root, progress)
     raise FileNotFoundError(
         f"{str(root)!r} has no {SUMMARY}, sweep.json or {LOG_NAME}; pass a stabkit logdir"
     )
 
 
-def _single(root: Path) -> dict[str, Any]:
-    rows = read_jsonl(root / LOG_NAME)
+def _single(root: Path, progress: Progress | None = None) -> dict[str, Any]:
+    rows = read_log(root / LOG_NAME, progress)
     history = [(r["step"], r["values"]) for r in rows if r.get("type") == "metrics"]
+    if progress is not None:
+        progress.begin(f"summarising {len(history)} steps")
     losses = [v["loss"] for _, v in history if "loss" in v]
     events = [r for r in rows if r.get("type") == "event"]
     result = {
@@ -58,6 +105,7 @@ def _single(root: Path) -> dict[str, Any]:
         "events": len(events),
         "first_event_step": events[0]["step"] if events else math.nan,
         "first_event_kind": events[0]["kind"] if events else "",
+        "event_list": events,  # every event of the log: `events_of` need not read it again
         **monitored(history),
     }
     return {
@@ -69,12 +117,21 @@ def _single(root: Path) -> dict[str, Any]:
     }
 
 
-def events_of(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """A variant's events from its ``stabkit.jsonl`` (falls back to those kept in the summary)."""
-    log = Path(result.get("logdir", "")) / LOG_NAME
-    if log.is_file():
-        return [r for r in read_jsonl(log) if r.get("type") == "event"]
+def events_of(result: dict[str, Any], progress: Progress | None = None) -> list[dict[str, Any]]:
+    """A variant's events from its ``stabkit.jsonl`` (falls back to those kept in the summary; a
+    single monitored run's, read by `load_run`, are all kept there)."""
+    log = event_log(result)
+    if log is not None:
+        return [r for r in read_log(log, progress) if r.get("type") == "event"]
     return list(result.get("event_list", []))
+
+
+def event_log(result: dict[str, Any]) -> Path | None:
+    """The log `events_of` reads for a variant's result (None: it uses the summary's events)."""
+    if not result.get("logdir") or result.get("status") == "logged":
+        return None
+    log = Path(result["logdir"]) / LOG_NAME
+    return log if log.is_file() else None
 
 
 def num(value: Any, digits: int = 3) -> str:
@@ -195,11 +252,14 @@ def group_events(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dic
     return groups
 
 
-def events_text(summary: dict[str, Any], limit: int = 20) -> str:
-    """Every variant's events (step, kind, where, message) and the distinct advice they carry."""
+def events_text(summary: dict[str, Any], limit: int = 20, progress: Progress | None = None) -> str:
+    """Every variant's events (step, kind, where, message) and the distinct advice they carry
+    (bytes of the logs read reported to `progress`, see `event_log`)."""
     lines = []
     for name, r in summary.get("variants", {}).items():
-        events = events_of(r)
+        if progress is not None:
+            progress.begin(name)
+        events = events_of(r, progress)
         lines.append(f"{name}: {len(events)} event(s)")
         groups = group_events(events)
         for first, last, count in groups[:limit]:
