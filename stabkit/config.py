@@ -64,13 +64,15 @@ class MonitorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MonitorConfig.{name} must be an integer >= 1, got {value!r}")
-        if self.attn_every is not None and (not isinstance(self.attn_every, int) or self.attn_every < 1):
+        if self.attn_every is not None and (
+            not isinstance(self.attn_every, int) or isinstance(self.attn_every, bool) or self.attn_every < 1
+        ):
             raise ValueError(
                 f"MonitorConfig.attn_every must be None or an integer >= 1, got {self.attn_every!r}"
             )
         for name in ("attn_sample_rows", "attn_sample_queries"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 1):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(
                     f"MonitorConfig.{name} must be None (exact) or an integer >= 1, got {value!r}"
                 )

@@ -25,7 +25,7 @@ from . import lifecycle
 from .config import MonitorConfig
 from .detectors.wiring import install as install_detectors
 from .discovery import ModelMap, inspect
-from .discovery.discover import needs_first_forward
+from .discovery.discover import needs_first_forward, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .interventions import Handle
@@ -64,6 +64,28 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The module under a `torch.compile` wrapper (hooks go on it; names match eager), else `model`."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) else model
+
+
+def forget_compiled_code(warn: bool = True) -> None:
+    """At attach: when torch.compile has already compiled code in this process, drop it, so the next
+    call recompiles with stabkit's hooks (Dynamo does not guard on module hooks by default, so code
+    compiled before attach would run without them). Warns: compiled functions recompile once."""
+    import sys
+
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    counters = dynamo.utils.counters
+    if not (counters["stats"].get("unique_graphs", 0) or counters["frames"].get("ok", 0)):
+        return
+    dynamo.reset()
+    if warn:
+        warnings.warn(
+            "stabkit: torch.compile had compiled code in this process before attach; it was reset so that "
+            "stabkit's hooks run (compiled models recompile once at their next call)",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
 
 def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -118,6 +140,7 @@ class Monitor:
         if config is not None and not isinstance(config, MonitorConfig):
             raise TypeError(f"config must be a stabkit.MonitorConfig, got {type(config).__name__}")
         model = unwrap_compiled(unwrap_data_parallel(unwrap_compiled(model)))
+        forget_compiled_code()
         check_optimizer(model, optimizer)
         self.model = model
         self.scaler = scaler
@@ -146,16 +169,20 @@ class Monitor:
         """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
         self.audit_report: Any = None
         self._input_guard: Any = None
-        self._pending: Any = None
+        self._pending: list[Any] | None = None
         self.sinks = rank_sinks(
             self.logdir, self.config, self.dist
         )  # only rank 0 writes under torch.distributed
         lifecycle.register(self)
         if model_map is None and example is None and needs_first_forward(model):
             # No input stabkit can make for this model: discovery traces the first forward instead.
-            self._pending = model.register_forward_pre_hook(
-                self._discover_on_first_forward, prepend=True, with_kwargs=True
-            )
+            # (on every module: a wrapper such as a LightningModule may never run its own forward)
+            paths = {id(m): n for n, m in model.named_modules()}
+            self._pending = [
+                m.register_forward_pre_hook(self._discover_on_first_forward, prepend=True, with_kwargs=True)
+                for m in model.modules()
+            ]
+            self._pending_paths = paths
             self._interventions_spec = interventions
             return
         try:
@@ -177,12 +204,16 @@ class Monitor:
         return self._model_map
 
     def _discover_on_first_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Forward pre-hook on the root, once: trace this forward's inputs (RNG and buffers restored),
-        then finish attaching before the forward itself runs, so this step is monitored too."""
-        self._pending.remove()
+        """Forward pre-hook on every module, once, at the first module that runs (the outermost): trace
+        its forward on these inputs (RNG and buffers restored), then finish attaching before the
+        forward itself runs, so this step is monitored too."""
+        for handle in self._pending or []:
+            handle.remove()
         self._pending = None
         try:
-            self._finish_attach(None, (tuple(args), dict(kwargs)), self._interventions_spec)
+            # the outermost module that runs first: trace it on this call's inputs (RNG, buffers restored)
+            traced_map(self.model, (tuple(args), dict(kwargs)), self._pending_paths[id(module)])
+            self._finish_attach(None, None, self._interventions_spec)
         except BaseException:  # nothing stays attached; the error says what discovery saw
             self._detached = True
             self.sinks.close()
@@ -238,7 +269,18 @@ class Monitor:
         new = handle.new_parameters()
         if new and self.optimizer is not None:
             self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+            group = self.optimizer.param_groups[-1]
+            handle.on_remove(lambda: self._drop_group(group))
         return handle
+
+    def _drop_group(self, group: dict[str, Any]) -> None:
+        """At detach: take the interventions' parameter group (and its state) out of the optimizer."""
+        opt = self.optimizer
+        if opt is None:
+            return
+        opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
+        for p in group["params"]:
+            opt.state.pop(p, None)
 
     def _run_audit(self) -> Any:
         """The architecture audit, once at attach: to TensorBoard as text and to the JSONL log."""
@@ -268,9 +310,13 @@ class Monitor:
         """
         if self._detached:
             raise RuntimeError("Monitor.step() called after detach(); attach again to keep monitoring")
+        if isinstance(loss, torch.Tensor) and loss.numel() != 1:
+            raise ValueError(
+                f"Monitor.step(loss): pass a scalar loss (e.g. loss.mean()), got a tensor of shape {tuple(loss.shape)}"
+            )
         if loss is not None and "loss" in self.config.families:
             value = (
-                loss.detach()
+                loss.detach().reshape(())
                 if isinstance(loss, torch.Tensor)
                 else torch.tensor(float(loss), device=self._device)
             )
@@ -302,6 +348,10 @@ class Monitor:
         self.recorder.add("amp/overflow", torch.tensor(float(skipped)))
         if skipped:
             value = float(self.scaler.get_scale())  # sync point: only on the rare overflowed step
+            broken = self._nonfinite_state()
+            if broken is not None:
+                self.report(broken)
+                return
             self.report(
                 Event(
                     self._step,
@@ -314,6 +364,36 @@ class Monitor:
                     "nothing if rare; if frequent, bf16 autocast or a lower LR",
                 )
             )
+
+    def _nonfinite_state(self) -> Event | None:
+        """After a GradScaler overflow: an event when a parameter or optimizer state (not just a
+        scaled gradient) holds NaN/Inf — then every step overflows and the scale alone cannot help.
+        Syncs once, on overflowed steps only."""
+        tensors = [(n, p.detach()) for n, p in self.model.named_parameters()]
+        if self.optimizer is not None:
+            names = {id(p): n for n, p in self.model.named_parameters()}
+            for p, state in self.optimizer.state.items():
+                tensors += [
+                    (f"{names.get(id(p), '?')} (optimizer {k})", v)
+                    for k, v in state.items()
+                    if isinstance(v, torch.Tensor) and v.is_floating_point()
+                ]
+        for name, t in tensors:
+            if not bool(torch.isfinite(t).all()):  # sync point: overflowed steps only
+                where = name.rsplit(".", 1)[0] if "(" not in name else name
+                return Event(
+                    self._step,
+                    "nonfinite",
+                    where,
+                    float("nan"),
+                    0.0,
+                    f"{name} holds NaN/Inf: the GradScaler skips every step because the weights (or the "
+                    "optimizer state) are broken, not because the loss scale is too high",
+                    "roll back to a checkpoint from before the NaN (action 'rollback'), then lower the LR "
+                    "or switch on the fix the earlier events advised",
+                    {"pass": "optimizer" if "(optimizer" in name else "parameter", "tensor": name},
+                )
+        return None
 
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""
@@ -360,6 +440,7 @@ class Monitor:
             self._remove_hooks()
             if self.interventions is not None:
                 self.interventions.remove()
+            forget_compiled_code(warn=False)  # compiled code must not keep calling removed hooks
             self.sinks.close()
             lifecycle.unregister(self)
 
@@ -382,9 +463,9 @@ class Monitor:
                 )
 
     def _remove_hooks(self) -> None:
-        if self._pending is not None:
-            self._pending.remove()
-            self._pending = None
+        for handle in self._pending or []:
+            handle.remove()
+        self._pending = None
         if self._input_guard is not None:
             self._input_guard.remove()
         if self.detectors is not None:

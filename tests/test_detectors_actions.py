@@ -152,8 +152,17 @@ def test_dump_saves_the_batch_and_a_report(tmp_path: Any) -> None:
     assert report["event"]["where"] == "blocks.0.mlp.fc" and report["nonfinite_params"] == []
 
 
+def test_cpu_default_names_the_module_of_a_nan_at_once() -> None:
+    loop = Loop(monitor={"log_every": 5})  # DetectConfig() on a CPU: sync=None -> decided every step
+    loop.step()
+    s = loop.step(poison=True)
+    events = [e for e in loop.mon.events if e.kind == "nonfinite"]
+    assert [(e.step, e.where, e.details["pass"]) for e in events] == [(s, "blocks.0.mlp.fc", "forward")]
+    assert loop.mon.detectors.config.sync is True
+
+
 def test_warn_only_reports_at_the_log_interval_without_localizing() -> None:
-    loop = Loop(monitor={"log_every": 5})
+    loop = Loop(monitor={"log_every": 5}, sync=False)  # the default on an accelerator
     loop.step()
     s = loop.step(poison=True)
     assert loop.mon.events == []  # nothing is decided between log intervals
@@ -167,7 +176,7 @@ def test_warn_only_reports_at_the_log_interval_without_localizing() -> None:
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_always_on_mode_names_the_module_at_the_log_interval() -> None:
-    loop = Loop(monitor={"log_every": 5}, per_module=True)
+    loop = Loop(monitor={"log_every": 5}, per_module=True, sync=False)
     loop.step()
     s = loop.step(poison=True)
     for _ in range(3):

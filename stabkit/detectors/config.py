@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 KINDS = ("nonfinite", "spike", "drift")
@@ -47,14 +47,16 @@ class DetectConfig:
 
     actions: dict[str, Any] = field(default_factory=_default_actions)
     """Per kind ('nonfinite', 'spike', 'drift'): an action or a list of them, from 'warn', 'raise', 'skip', 'rollback', 'dump'."""
-    sync: bool = False
-    """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so they are localized."""
+    sync: bool | None = None
+    """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
+    they are localized: None = yes on a CPU (it costs nothing there), no on an accelerator (where the
+    per-step copy stalls the device; `stabkit bench` measures it) — the event then says how to turn it on."""
     nonfinite: bool = True
     """Check the loss, the global gradient norm and the model output for NaN/Inf every step (device-side)."""
     check_output: bool = True
     """Per-step max of the model output (one read of the logits): finite iff log Z is finite, so log Z is checked every step."""
     optimizer_check_every: int | None = None
-    """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' decides per step, else every MonitorConfig.every)."""
+    """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' has an action other than warn, else every MonitorConfig.every)."""
     localize: bool = True
     """On a decided non-finite step, replay it with per-module checks and name the module, pass and tensor that produced it."""
     keep_output_grad: bool = True
@@ -105,6 +107,10 @@ class DetectConfig:
     """Dump: directory for batches and state reports (None = `<logdir>/stabkit-dumps`)."""
 
     def __post_init__(self) -> None:
+        if self.sync is not None and not isinstance(self.sync, bool):
+            raise ValueError(f"DetectConfig.sync must be None (auto), True or False, got {self.sync!r}")
+        if self.snapshot_device is not None:
+            _check_device(self.snapshot_device)
         if not isinstance(self.actions, dict):
             raise ValueError(
                 f"DetectConfig.actions must be a dict kind -> action(s), got {type(self.actions).__name__}"
@@ -162,10 +168,16 @@ class DetectConfig:
                 return float(ratio)
         return 1.0
 
+    def resolved(self, device_type: str) -> DetectConfig:
+        """This config with `sync` decided for a model on `device_type` (called once at attach)."""
+        if self.sync is not None:
+            return self
+        return replace(self, sync=device_type == "cpu")
+
     def needs_sync(self, kind: str) -> bool:
         """True when `kind` must be decided every step on the host (an action other than warn)."""
         acts = self.actions[kind]
-        return any(a != "warn" for a in acts) or (kind == "nonfinite" and self.sync)
+        return any(a != "warn" for a in acts) or (kind == "nonfinite" and bool(self.sync))
 
     @property
     def wants_rollback(self) -> bool:
@@ -185,3 +197,21 @@ def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:
 def _check_int(name: str, value: Any, low: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
         raise ValueError(f"DetectConfig.{name} must be an integer >= {low}, got {value!r}")
+
+
+def _check_device(name: object) -> None:
+    """Raise ValueError unless `name` names a device torch knows of and has here ('cpu', 'cuda:1', ...)."""
+    import torch
+
+    try:
+        device = torch.device(name)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"DetectConfig.snapshot_device must be None or a torch device such as 'cpu' or 'cuda:0', got {name!r}"
+        ) from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"DetectConfig.snapshot_device={name!r}, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(
+            f"DetectConfig.snapshot_device={name!r}: snapshots can live on cpu, cuda, mps or xpu devices"
+        )

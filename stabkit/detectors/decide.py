@@ -175,8 +175,9 @@ class Decider:
     def post_update(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         """Optimizer step post-hook: fused NaN/Inf check of parameters and optimizer state (device)."""
         every = self.config.optimizer_check_every
-        if every is None:
-            every = 1 if self.sync["nonfinite"] else self.monitor.config.every
+        if every is None:  # every step when a non-finite update must be acted on, else on sampled steps
+            acting = any(a != "warn" for a in self.config.actions["nonfinite"])
+            every = 1 if acting else self.monitor.config.every
         if not self.config.nonfinite or not every or self.monitor.global_step % every:
             return
         flag = nonfinite_any([*self.params, *optimizer_tensors(optimizer)])

@@ -38,6 +38,7 @@ class DetectorHandle:
         if not isinstance(config, DetectConfig):
             raise TypeError(f"stabkit detectors need a DetectConfig, got {type(config).__name__}")
         self.monitor = monitor
+        config = config.resolved(monitor._device.type)
         self.config = config
         self.spikes = SpikeDetector(config)
         self.drifts = DriftDetector(config, monitor.model_map)

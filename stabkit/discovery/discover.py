@@ -65,9 +65,7 @@ def traced_or_named(
         reason = "sharded parameters (a traced forward would run collectives)"
     if ex is not None:
         try:
-            stashed = _TRACES.pop(model, None) if example is None else None
-            trace = stashed[1] if stashed is not None and stashed[0] == key else run_trace(model, *ex)
-            mmap = map_from_trace(model, trace)
+            return traced_map(model, ex)
         except DiscoveryError as exc:
             try:
                 mmap = by_names(model, {})
@@ -83,11 +81,9 @@ def traced_or_named(
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             reason = f"the synthesised example did not run ({type(exc).__name__}: {str(exc)[:120]})"
-        else:
-            _complete(model, mmap, by_names)
-            _warn_unmonitored(mmap)
-            _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
-            return mmap
+            wrapped = _wrapped(model)
+            if wrapped is not None:
+                return wrapped
     try:
         mmap = by_names(model, {})
     except DiscoveryError as exc:
@@ -97,7 +93,35 @@ def traced_or_named(
     return mmap
 
 
-def _complete(model: nn.Module, mmap: ModelMap, by_names: Callable[..., ModelMap]) -> None:
+def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
+    """Trace ``model.get_submodule(prefix)(*args, **kwargs)`` once and map `model` from it (paths from
+    the root); cached for the `inspect` calls that follow while the model is unchanged."""
+    module = model.get_submodule(prefix) if prefix else model
+    args, kwargs = as_example(example)
+    mmap = map_from_trace(module, run_trace(module, args, kwargs)).under(prefix)
+    _complete(model, mmap)
+    _warn_unmonitored(mmap)
+    _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
+    return mmap
+
+
+def _wrapped(model: nn.Module) -> ModelMap | None:
+    """A wrapper whose own forward does not run on a made-up input (a LightningModule, a module whose
+    forward takes a whole batch): trace the outermost submodule that does."""
+    for prefix, sub in model.named_modules():
+        if not prefix or prefix.count(".") > 1 or sub is model:
+            continue
+        ex = synthesize_example(sub)
+        if ex is None:
+            continue
+        try:
+            return traced_map(model, ex, prefix)
+        except Exception:  # not this one
+            continue
+    return None
+
+
+def _complete(model: nn.Module, mmap: ModelMap) -> None:
     """Label the family and fill what only names tell (embeddings, d_model) into a traced map."""
     first = model.get_submodule(mmap.blocks[0].path) if mmap.blocks else model
     family = family_of(first)
@@ -138,26 +162,22 @@ def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
         return None
 
 
-_TRACES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], Any]] = weakref.WeakKeyDictionary()
-"""model -> (signature, trace) of a trace `needs_first_forward` ran, for the `inspect` that follows."""
-
-
 def needs_first_forward(model: nn.Module) -> bool:
-    """True when discovery should wait for the model's first forward: no input can be made for it,
-    or the input stabkit makes does not fit its forward (e.g. an encoder-decoder taking two
-    sequences). Sharded models use names instead. A trace that did run is kept for `inspect`."""
+    """True when discovery should wait for the model's first forward: no input can be made for it, or
+    the input stabkit makes fits neither its forward nor a wrapped submodule's (e.g. an encoder-decoder
+    taking two sequences). Sharded models use names instead. A map traced here is cached for `inspect`."""
     if _sharded(model):
         return False
-    key = _signature(model)
     cached = _CACHE.get(model)
-    if cached is not None and cached[0] == key:
+    if cached is not None and cached[0] == _signature(model):
         return False
     ex = synthesize_example(model)
-    if ex is None:
-        return True
-    try:
-        trace = run_trace(model, *ex)
-    except Exception:  # the made-up input does not fit this model
-        return True
-    _TRACES[model] = (key, trace)
-    return False
+    if ex is not None:
+        try:
+            traced_map(model, ex)
+            return False
+        except DiscoveryError:
+            return False  # it ran: inspect will say what it saw
+        except Exception:  # the made-up input does not fit this model
+            pass
+    return _wrapped(model) is None

@@ -6,7 +6,7 @@ All module references are `named_modules()` paths relative to the model root.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 import torch
@@ -221,3 +221,50 @@ class ModelMap:
             lines.append(f"logits: {where}{key} ({self.logits.found})")
         lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
+
+    def under(self, prefix: str) -> ModelMap:
+        """This map (found on the submodule at `prefix`) with every path made relative to the root."""
+        if not prefix:
+            return self
+
+        def j(path: str | None) -> str | None:
+            if path is None:
+                return None
+            return f"{prefix}.{path}" if path else prefix
+
+        def attn(a: AttentionMap) -> AttentionMap:
+            return replace(
+                a,
+                path=j(a.path) or prefix,
+                q=j(a.q),
+                k=j(a.k),
+                v=j(a.v),
+                qkv=j(a.qkv),
+                out=j(a.out),
+                qk_norm=j(a.qk_norm),
+                output=j(a.output),
+            )
+
+        blocks = []
+        for b in self.blocks:
+            attns = [attn(a) for a in b.attentions]
+            blocks.append(
+                replace(
+                    b,
+                    path=j(b.path) or prefix,
+                    attention=attns[0],
+                    attentions=attns,
+                    mlp=j(b.mlp),
+                    norms=[replace(n, path=j(n.path) or prefix) for n in b.norms],
+                )
+            )
+        logits = replace(self.logits, path=j(self.logits.path) or prefix) if self.logits else None
+        return replace(
+            self,
+            blocks=blocks,
+            final_norm=j(self.final_norm),
+            output_head=j(self.output_head),
+            embeddings=[j(e) or prefix for e in self.embeddings],
+            logits=logits,
+            notes=[*self.notes, f"traced the submodule {prefix!r} (the model's own forward did not run)"],
+        )

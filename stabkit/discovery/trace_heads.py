@@ -42,7 +42,8 @@ class HeadSource:
 
 
 def _grad(x: torch.Tensor, leaves: list[torch.Tensor], weight: torch.Tensor) -> list[torch.Tensor | None]:
-    return list(torch.autograd.grad(x, leaves, weight, retain_graph=True, allow_unused=True))
+    """d(Σ weight·x)/d(leaves); a scalar output (an explicit grad_outputs imports a slow torch module)."""
+    return list(torch.autograd.grad((x * weight).sum(), leaves, retain_graph=True, allow_unused=True))
 
 
 def head_source(

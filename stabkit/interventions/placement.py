@@ -161,8 +161,8 @@ def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: Bl
 def _template_norm(block: BlockMap, sublayer: str) -> str:
     """The norm a new sandwich output norm copies (kind, eps): the one guarding `sublayer`, else any
     pre norm of the block (a parallel block may share one norm between attention and MLP)."""
-    found = [n for n in block.norms if n.sublayer == sublayer and n.position == "pre"]
-    found = found or [n for n in block.norms if n.position == "pre"]
+    found = [n for n in block.norms if n.sublayer == sublayer and n.position in ("pre", "post")]
+    found = found or [n for n in block.norms if n.position in ("pre", "post")]
     if not found:
         raise InterventionError(NAME, block.path, f"no norm guarding the {sublayer} sub-layer found")
     return _rel(block, found[0].path)

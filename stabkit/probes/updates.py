@@ -41,7 +41,8 @@ def update_norms(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor
         if isinstance(optimizer, torch.optim.SGD):
             delta = _sgd_delta(p, grad, group, state)
         else:
-            delta = _adam_delta(p, group, state, decoupled=isinstance(optimizer, torch.optim.AdamW))
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+            delta = _adam_delta(p, group, state, decoupled=decoupled)
         out.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
     return out
 
