@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import warnings
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -29,6 +29,7 @@ from .discovery.discover import needs_first_forward, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .interventions import Handle
+from .optimizers import OptimizerSet, as_optimizer
 from .probes import ActivationProbe, GradProbe, LogitProbe, Probe, ProbeContext
 from .stats import Recorder
 
@@ -98,20 +99,27 @@ def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any
             )
 
 
-def check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
-    """Raise when `optimizer` is not an optimizer or holds parameters that are not in `model`."""
+def check_optimizer(model: nn.Module, optimizer: Any) -> None:
+    """Raise when the optimizer(s) hold parameters that are not in `model`; warn about trainable
+    parameters that no optimizer holds (their gradients are monitored, but they never change)."""
     if optimizer is None:
         return
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"stabkit.attach: optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}"
-        )
     mine = {id(p) for p in model.parameters()}
-    foreign = sum(1 for g in optimizer.param_groups for p in g["params"] if id(p) not in mine)
+    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    foreign = len(held - mine)
     if foreign:
         raise ValueError(
             f"stabkit.attach: the optimizer holds {foreign} parameter(s) that are not in the model; "
             "attach to the module that owns every optimized parameter (e.g. the wrapper, not a sub-module)"
+        )
+    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
+    if orphans:
+        more = f" and {len(orphans) - 3} more" if len(orphans) > 3 else ""
+        warnings.warn(
+            f"stabkit.attach: {len(orphans)} trainable parameter(s) are in no optimizer given to attach "
+            f"({', '.join(orphans[:3])}{more}); pass every optimizer: attach(model, [opt1, opt2])",
+            RuntimeWarning,
+            stacklevel=4,
         )
 
 
@@ -124,7 +132,7 @@ class Monitor:
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer | None = None,
+        optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
         *,
         logdir: str | Path | None = None,
         config: MonitorConfig | None = None,
@@ -141,11 +149,13 @@ class Monitor:
             raise TypeError(f"config must be a stabkit.MonitorConfig, got {type(config).__name__}")
         model = unwrap_compiled(unwrap_data_parallel(unwrap_compiled(model)))
         forget_compiled_code()
+        optimizer = as_optimizer(optimizer)
         check_optimizer(model, optimizer)
         self.model = model
         self.scaler = scaler
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
-        self.optimizer = optimizer
+        self.optimizer: Any = optimizer
+        """The optimizer (or `stabkit.optimizers.OptimizerSet` of several) the monitor watches."""
         self.config = config or MonitorConfig()
         self.logdir = Path(logdir) if logdir is not None else None
         self.interventions: Handle | None = None
@@ -164,6 +174,7 @@ class Monitor:
         self.drain_hooks: list[DrainHook] = [lambda _, rows: finish_ratios(rows)] if self.dist.sharded else []
         self._step = 0
         self._detached = False
+        self._broken: Event | None = None
         self.probes: list[Probe] = []
         self.detectors: Any = None
         """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
@@ -278,9 +289,12 @@ class Monitor:
         opt = self.optimizer
         if opt is None:
             return
-        opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
         for p in group["params"]:
             opt.state.pop(p, None)
+        if isinstance(opt, OptimizerSet):
+            opt.remove_param_group(group)
+        else:
+            opt.param_groups[:] = [g for g in opt.param_groups if g is not group]
 
     def _run_audit(self) -> Any:
         """The architecture audit, once at attach: to TensorBoard as text and to the JSONL log."""
@@ -324,6 +338,8 @@ class Monitor:
         if self.interventions is not None:
             for name, value in self.interventions.metrics().items():
                 self.recorder.add(name, value)
+        if isinstance(self.optimizer, OptimizerSet):
+            self.optimizer.end_step()  # a post-step hook still due (an optimizer that did not step) runs now
         for probe in self.probes:
             probe.end_step()
         self._amp_check()
@@ -331,6 +347,11 @@ class Monitor:
         try:
             for observer in self.observers:
                 observer(self, self._step, committed)
+            broken, self._broken = self._broken, None
+            if broken is not None and not any(
+                e.step == self._step and e.kind == "nonfinite" for e in self.events
+            ):
+                self.report(broken)
         finally:  # an action may raise InstabilityError: the step still counts and logs still flush
             self._step += 1
             if self._step % self.config.log_every == 0:
@@ -349,8 +370,8 @@ class Monitor:
         if skipped:
             value = float(self.scaler.get_scale())  # sync point: only on the rare overflowed step
             broken = self._nonfinite_state()
-            if broken is not None:
-                self.report(broken)
+            if broken is not None:  # reported after the detectors, unless they report it themselves
+                self._broken = broken
                 return
             self.report(
                 Event(
@@ -440,6 +461,8 @@ class Monitor:
             self._remove_hooks()
             if self.interventions is not None:
                 self.interventions.remove()
+            if isinstance(self.optimizer, OptimizerSet):
+                self.optimizer.remove()
             forget_compiled_code(warn=False)  # compiled code must not keep calling removed hooks
             self.sinks.close()
             lifecycle.unregister(self)
@@ -486,7 +509,7 @@ class Monitor:
 
 def attach(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     *,
     logdir: str | Path | None = None,
     config: MonitorConfig | None = None,
@@ -495,7 +518,7 @@ def attach(
     scaler: torch.amp.GradScaler | None = None,
     example: Any = None,
 ) -> Monitor:
-    """Attach stabkit to `model` (and `optimizer`): hooks on, statistics to `logdir`.
+    """Attach stabkit to `model` (and `optimizer`, or a list of optimizers): hooks on, statistics to `logdir`.
 
     Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
     the monitor as a context manager). Discovery traces one forward (see `stabkit.inspect`): on

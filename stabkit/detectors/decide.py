@@ -52,7 +52,6 @@ class Decider:
         self.monitor = handle.monitor
         self.config = handle.config
         self.sync = {kind: self.config.needs_sync(kind) for kind in KINDS}
-        self.params = [p for p in self.monitor.model.parameters() if p.requires_grad]
         _, _, units = parameter_units(self.monitor.model, self.monitor.model_map.block_of)
         groups = len(self.monitor.optimizer.param_groups) if self.monitor.optimizer is not None else 0
         self.grad_names = [f"grad/{u}/norm" for u in dict.fromkeys(units)] + [
@@ -127,7 +126,7 @@ class Decider:
         elif norm is not None:
             flags.append(~torch.isfinite(norm))
         else:
-            grads = nonfinite_any(p.grad for p in self.params if p.grad is not None)
+            grads = nonfinite_any(p.grad for p in self.monitor.model.parameters() if p.grad is not None)
             if grads is not None:
                 flags.append(grads)
                 if record:
@@ -180,7 +179,8 @@ class Decider:
             every = 1 if acting else self.monitor.config.every
         if not self.config.nonfinite or not every or self.monitor.global_step % every:
             return
-        flag = nonfinite_any([*self.params, *optimizer_tensors(optimizer)])
+        params = [p for p in self.monitor.model.parameters() if p.requires_grad]  # unfrozen ones too
+        flag = nonfinite_any([*params, *optimizer_tensors(optimizer)])
         if flag is not None:
             self.h.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag

@@ -52,6 +52,15 @@ def head_source(
     """The source of `x` ((B, H, L, E) queries or keys at a call made at op index `before`).
 
     None when `x` cannot be followed (meta device, or it does not depend on any projection)."""
+    try:
+        return _head_source(trace, x, before, modules)
+    except RuntimeError as exc:  # e.g. the forward modified a saved tensor in place
+        return HeadSource(None, [], False, reason=f"q/k could not be followed back ({str(exc)[:80]})")
+
+
+def _head_source(
+    trace: Trace, x: torch.Tensor | None, before: int, modules: dict[str, nn.Module]
+) -> HeadSource | None:
     if x is None or trace.device_type == "meta" or not x.requires_grad or x.dim() != 4:
         return None
     candidates = [p for p in trace.projections if p.index < before]

@@ -55,6 +55,33 @@ class GradProbe(Probe):
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
+        self._param_handles: list[Any] = []
+        self._setup(ctx)
+        if ctx.optimizer is not None:
+            self.handles.append(ctx.optimizer.register_step_pre_hook(self._pre_step))
+            if self.want_update:
+                self.handles.append(ctx.optimizer.register_step_post_hook(self._post_step))
+
+    def detach(self) -> None:
+        """Remove the hooks (safe twice)."""
+        for h in getattr(self, "_param_handles", []):
+            h.remove()
+        self._param_handles = []
+        super().detach()
+
+    def _watched(self, ctx: ProbeContext) -> tuple[Any, ...]:
+        """What the parameter lists depend on: which parameters train, and the optimizer's groups."""
+        trainable = tuple(id(p) for p in ctx.model.parameters() if p.requires_grad)
+        groups = () if ctx.optimizer is None else tuple(len(g["params"]) for g in ctx.optimizer.param_groups)
+        return trainable, groups
+
+    def _setup(self, ctx: ProbeContext) -> None:
+        """Parameter lists, units, groups and per-parameter gradient hooks (at attach, and again when
+        parameters are unfrozen or a param group is added)."""
+        for h in self._param_handles:
+            h.remove()
+        self._param_handles = []
+        self._signature = self._watched(ctx)
         fam = ctx.config.families
         self.want_grad = "grad" in fam
         self.want_param = "param" in fam
@@ -83,11 +110,7 @@ class GradProbe(Probe):
         self.scales = self.dist.norm_scales(self.params)
         if self.want_grad:
             for p in self.params:
-                self.handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
-        if ctx.optimizer is not None:
-            self.handles.append(ctx.optimizer.register_step_pre_hook(self._pre_step))
-            if self.want_update:
-                self.handles.append(ctx.optimizer.register_step_post_hook(self._post_step))
+                self._param_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Per parameter, during backward: queue one end-of-backward callback (cheap flag check)."""
@@ -105,6 +128,9 @@ class GradProbe(Probe):
     def _after_backward(self) -> None:
         """End of a backward pass: the norm of every gradient so far, in one fused call."""
         self._queued = False
+        ctx = self.ctx
+        if ctx is not None and self._watched(ctx) != self._signature:  # unfrozen since: follow them
+            self._setup(ctx)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         grads = [local(self.params[i].grad.detach()) for i in present]  # type: ignore[union-attr]
         norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
@@ -218,3 +244,5 @@ class GradProbe(Probe):
         self._stepped = False
         self._queued = False  # a backward that raised never ran its callback
         self._grad_norms = [None] * len(self.params)
+        if self._watched(ctx) != self._signature:  # unfrozen parameters, a new param group
+            self._setup(ctx)

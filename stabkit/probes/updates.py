@@ -9,6 +9,7 @@ fall back to a snapshot taken in the pre-hook (one copy of the parameters on sam
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -17,31 +18,34 @@ from ..distributed import local
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
 
-def closed_form_supported(optimizer: torch.optim.Optimizer) -> bool:
-    """True when `update_norms` can rebuild the update of every parameter of `optimizer`."""
-    if type(optimizer) not in SUPPORTED:
+def closed_form_supported(optimizer: Any) -> bool:
+    """True when `update_norms` can rebuild the update of every parameter of `optimizer` (one
+    optimizer, or an `OptimizerSet` of supported ones)."""
+    each = getattr(optimizer, "optimizers", [optimizer])
+    if any(type(opt) not in SUPPORTED for opt in each):
         return False
     return all(not g.get("differentiable", False) for g in optimizer.param_groups)
 
 
-def update_norms(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+def update_norms(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out = []
     for p in params:
+        owner = optimizer.owner(p) if hasattr(optimizer, "owner") else optimizer
         group = group_of.get(id(p))
         state = optimizer.state.get(p, {})
-        if group is None or p.grad is None or (not state and not isinstance(optimizer, torch.optim.SGD)):
+        if group is None or p.grad is None or (not state and not isinstance(owner, torch.optim.SGD)):
             out.append(torch.zeros((), device=local(p).device))
             continue
         # FSDP2: this rank's shard of the parameter, its gradient and its state (DTensor.to_local())
         grad = local(p.grad)
         state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         p = local(p)
-        if isinstance(optimizer, torch.optim.SGD):
+        if isinstance(owner, torch.optim.SGD):
             delta = _sgd_delta(p, grad, group, state)
         else:
-            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+            decoupled = isinstance(owner, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
             delta = _adam_delta(p, group, state, decoupled=decoupled)
         out.append(torch.linalg.vector_norm(delta, dtype=torch.float32))
     return out
