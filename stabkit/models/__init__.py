@@ -6,8 +6,9 @@ The names below load with their submodule on first use (PEP 562): `stabkit.model
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_names
 
 if TYPE_CHECKING:
     from .config import GPTConfig
@@ -27,11 +28,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'stabkit.models' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = ["GPT", "PRESETS", "PRESET_BATCH", "Block", "GPTConfig", "RMSNorm", "preset_config", "softcap"]
