@@ -81,7 +81,7 @@ def traced_or_named(
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             reason = f"the synthesised example did not run ({type(exc).__name__}: {str(exc)[:120]})"
-            wrapped = _wrapped(model)
+            wrapped = _wrapped(model) if isinstance(exc, NotImplementedError) else None
             if wrapped is not None:
                 return wrapped
     try:
@@ -106,8 +106,8 @@ def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
 
 
 def _wrapped(model: nn.Module) -> ModelMap | None:
-    """A wrapper whose own forward does not run on a made-up input (a LightningModule, a module whose
-    forward takes a whole batch): trace the outermost submodule that does."""
+    """A wrapper without a forward of its own (a LightningModule whose training_step calls
+    `self.model`): trace the outermost submodule that runs on a made-up input."""
     for prefix, sub in model.named_modules():
         if not prefix or prefix.count(".") > 1 or sub is model:
             continue
@@ -178,6 +178,8 @@ def needs_first_forward(model: nn.Module) -> bool:
             return False
         except DiscoveryError:
             return False  # it ran: inspect will say what it saw
-        except Exception:  # the made-up input does not fit this model
-            pass
-    return _wrapped(model) is None
+        except NotImplementedError:  # no forward of its own: a wrapper
+            return _wrapped(model) is None
+        except Exception:  # the made-up input does not fit this model: wait for its first forward
+            return True
+    return True
