@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .detectors.config import DetectConfig
+from .sinks.rundir import LOG_MODES
 
 ModuleSelection = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
@@ -43,12 +44,20 @@ class MonitorConfig:
     """Query positions the attention probe measures per row (None = all, exact)."""
     attn_per_head: bool = False
     """Also log attention statistics per head."""
+    attn_chunk_bytes: int = 1 << 20
+    """Memory (bytes) the attention probe's temporaries may take at once (default 1 MiB): it measures
+    in blocks of batch rows × heads × queries × keys that fit, so its memory does not grow with the
+    sequence length, sampled or exact. Larger: fewer, larger kernels (faster on a GPU); >= 4096."""
     tensorboard: bool = True
     """Write TensorBoard event files (needs a logdir)."""
     jsonl: bool = True
     """Write a JSONL log of metrics and events (needs a logdir)."""
     console: bool = True
     """Print a one-line summary per log interval and every event to stderr."""
+    logdir_mode: str = "new"
+    """When the logdir already holds a run: "new" writes into the next free ``<logdir>/run-<n>``
+    (said on stderr; see `Monitor.logdir`), "append" adds to it (resuming), "overwrite" deletes its
+    stabkit logs first."""
     detect: DetectConfig | None = field(default_factory=DetectConfig)
     """Detectors and actions (NaN/Inf, spikes, drift, advice; see DetectConfig); None = off."""
     history: int | None = 1000
@@ -76,9 +85,18 @@ class MonitorConfig:
                 raise ValueError(
                     f"MonitorConfig.{name} must be None (exact) or an integer >= 1, got {value!r}"
                 )
+        chunk = self.attn_chunk_bytes
+        if not isinstance(chunk, int) or isinstance(chunk, bool) or chunk < 4096:
+            raise ValueError(
+                f"MonitorConfig.attn_chunk_bytes must be an integer >= 4096 (bytes), got {chunk!r}"
+            )
         if self.history is not None and (not isinstance(self.history, int) or self.history < 0):
             raise ValueError(
                 f"MonitorConfig.history must be None (keep all) or an integer >= 0, got {self.history!r}"
+            )
+        if self.logdir_mode not in LOG_MODES:
+            raise ValueError(
+                f"MonitorConfig.logdir_mode must be one of {', '.join(LOG_MODES)}, got {self.logdir_mode!r}"
             )
         if self.detect is not None and not isinstance(self.detect, DetectConfig):
             raise ValueError("MonitorConfig.detect must be a stabkit.DetectConfig or None")

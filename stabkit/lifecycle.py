@@ -1,8 +1,19 @@
 """Nothing lost on a crash: live monitors are flushed at interpreter exit and on SIGTERM.
 
 `register` runs at `attach`; `unregister` at `detach`. The SIGTERM handler is installed once,
-from the main thread, and chains to whatever handler was there before (the default one ends
-the process with SIGTERM's status, as if stabkit were not there). SIGINT needs no handler: it
+from the main thread, and chains to whatever handler was there before:
+
+- the user's own handler (the preemption pattern: set a flag, finish the step, checkpoint, exit 0):
+  stabkit's handler asks every live monitor to flush at each of its coming `Monitor.step` calls and
+  then calls the user's handler. Monitors stay attached and usable until the process really ends
+  (`detach`, the end of a `with` block, or the exit hook).
+- SIG_IGN: the same, without calling anything.
+- the default (no handler): every monitor is flushed and closed, then the process ends with
+  SIGTERM's status, as if stabkit were not there.
+
+Flushing in the handler itself would drain the statistics while the interrupted code may be in the
+middle of writing them; the flush therefore happens at the next `Monitor.step`, a safe point. What
+the sinks already wrote is on disk at once (they flush every write). SIGINT needs no handler: it
 raises KeyboardInterrupt, which unwinds through `with attach(...)` and reaches the exit hook.
 """
 
@@ -19,6 +30,10 @@ from typing import Any, Protocol
 
 
 class Flushable(Protocol):
+    """What lifecycle needs of a Monitor (also its `observers` list and `dist`, read with getattr)."""
+
+    def flush(self) -> None: ...
+
     def close_on_crash(self) -> None: ...
 
 
@@ -43,11 +58,42 @@ def unregister(monitor: Flushable) -> None:
 
 
 def close_all() -> None:
-    """Flush and close every live monitor (at exit, or on SIGTERM). Never raises."""
+    """Flush and close every live monitor (at exit, or on a SIGTERM that ends the process). Never raises."""
     for mon in list(_LIVE):
         with contextlib.suppress(Exception):
             mon.close_on_crash()
     _LIVE.clear()
+
+
+def flush_at_each_step(monitor: Any, step: int, values: Any) -> None:
+    """Step observer added on SIGTERM: write every step out at once (the process may end any time)."""
+    monitor.flush()
+
+
+def flush_soon() -> None:
+    """On SIGTERM: every live monitor flushes from its next `Monitor.step` on, every step. Not under
+    torch.distributed, where a flush is a collective that every rank must reach at the same step
+    (ranks get the signal at different steps); there the sinks' own per-write flushes stand."""
+    for mon in list(_LIVE):
+        if getattr(getattr(mon, "dist", None), "active", False):
+            continue
+        observers = getattr(mon, "observers", None)
+        if observers is not None and flush_at_each_step not in observers:
+            observers.append(flush_at_each_step)
+
+
+def chain(previous: Any, signum: int, frame: FrameType | None) -> None:
+    """Pass a signal on to `previous` (a handler as `signal.signal` returned it): call it; ignore the
+    signal for SIG_IGN; for the default (or an unknown, non-Python handler) close every monitor and
+    end the process with the signal's own status."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_IGN:
+        return
+    else:
+        close_all()
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
 
 
 def _install_sigterm() -> None:
@@ -59,10 +105,6 @@ def _install_sigterm() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    close_all()
-    previous = _previous_sigterm
-    if callable(previous):
-        previous(signum, frame)
-    elif previous != signal.SIG_IGN:
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        os.kill(os.getpid(), signal.SIGTERM)
+    """stabkit's SIGTERM handler (runs in the main thread, between two bytecodes of whatever ran)."""
+    flush_soon()
+    chain(_previous_sigterm, signum, frame)

@@ -181,9 +181,9 @@ class Monitor:
         self.audit_report: Any = None
         self._input_guard: Any = None
         self._pending: list[Any] | None = None
-        self.sinks = rank_sinks(
-            self.logdir, self.config, self.dist
-        )  # only rank 0 writes under torch.distributed
+        self.sinks = rank_sinks(self.logdir, self.config, self.dist)  # only rank 0 writes under DDP/FSDP
+        if self.sinks.logdir is not None:  # a run-<n> subfolder when the logdir already held a run
+            self.logdir = self.sinks.logdir
         lifecycle.register(self)
         if model_map is None and example is None and needs_first_forward(model):
             # No input stabkit can make for this model: discovery traces the first forward instead.
@@ -524,7 +524,9 @@ def attach(
     the monitor as a context manager). Discovery traces one forward (see `stabkit.inspect`): on
     `example` when given, else on a small input stabkit makes for token and image models, else on
     the first forward the model runs (the monitor then finishes attaching right before it).
-    `model_map` overrides discovery (a ModelMap or a dict of hints). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
+    `model_map` overrides discovery (a ModelMap or a dict of hints). A `logdir` that already holds a
+    run's logs is not mixed into: the run writes to ``<logdir>/run-<n>`` (`Monitor.logdir` names it;
+    `MonitorConfig.logdir_mode` chooses 'append' or 'overwrite' instead). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
     gradient norms are unscaled and skipped steps are reported as `amp/overflow`. `interventions` switches fixes on first (e.g.
     ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again.
     """

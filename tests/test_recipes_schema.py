@@ -159,4 +159,5 @@ def test_data_path_is_relative_to_the_recipe_and_cli_data_wins(tmp_path: Path) -
     (tmp_path / "my.txt").write_text("x" * 2000)
     path = write(tmp_path, BASE + '\n[data]\npath = "my.txt"\n')
     assert load_recipe(path).data == str((tmp_path / "my.txt").resolve())
-    assert load_recipe(path, data="/elsewhere.txt").data == "/elsewhere.txt"
+    (tmp_path / "elsewhere.txt").write_text("y" * 2000)  # --data is checked at load too: it must exist
+    assert load_recipe(path, data=str(tmp_path / "elsewhere.txt")).data == str(tmp_path / "elsewhere.txt")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import click
@@ -32,6 +35,26 @@ class StabkitGroup(click.Group):
         except (ValueError, TypeError, FileNotFoundError, KeyError) as exc:
             click.echo(f"stabkit: error: {one_line(str(exc))}", err=True)
             sys.exit(2)
+        except OSError as exc:  # a path that cannot be read or written (permissions, read-only, full)
+            where = f"{exc.filename}: " if exc.filename else ""
+            click.echo(f"stabkit: error: {where}{one_line(exc.strerror or str(exc))}", err=True)
+            sys.exit(2)
+
+
+def writable_dir(path: str | Path, option: str) -> Path:
+    """Before anything runs: create the output folder `path` (given as `option`) if needed and write a
+    probe file in it; a folder that cannot be written is a UserInputError naming it (exit 2)."""
+    folder = Path(path)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".stabkit-write-check-", dir=folder)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise UserInputError(
+            f"{option} {folder}: cannot write there ({exc.strerror or exc}); pick a writable folder"
+        ) from None
+    return folder
 
 
 def one_line(text: str) -> str:

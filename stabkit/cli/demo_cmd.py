@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 
-from .app import main
+from .app import main, writable_dir
 
 
 @main.command()
@@ -28,13 +27,16 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     from ..monitor import attach
     from ..training import TrainConfig, train
 
+    folder = writable_dir(logdir, "--logdir")
     torch.set_num_threads(1)
     torch.manual_seed(seed)
     corpus = load_corpus(data)
     cfg = preset_config(size)
     model = GPT(cfg)
     tcfg = TrainConfig(steps=steps, lr=lr, batch_size=PRESET_BATCH[size], seed=seed)
-    mcfg = MonitorConfig(every=10, log_every=50, console=False)
+    mcfg = MonitorConfig(
+        every=10, log_every=50, console=False, logdir_mode="overwrite"
+    )  # a rerun replaces it
     progress: Any = click.progressbar(length=steps, label=f"training {size} GPT", file=sys.stderr)
     with progress as bar:
 
@@ -46,10 +48,10 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
             corpus,
             tcfg,
             context=cfg.context,
-            monitor_factory=lambda m, o: attach(m, o, logdir=logdir, config=mcfg),
+            monitor_factory=lambda m, o: attach(m, o, logdir=folder, config=mcfg),
             on_step=on_step,
         )
     click.echo(
         f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {result.val_loss:.3f}); "
-        f"statistics in {Path(logdir)}; view with: tensorboard --logdir {Path(logdir).parent}"
+        f"statistics in {folder}; view with: tensorboard --logdir {folder.parent}"
     )

@@ -21,6 +21,7 @@ from pathlib import Path
 import click
 import torch
 
+from ..recipes.signals import SigtermStop
 from .app import UserInputError
 from .progress import MultiProgress
 from .run_cmd import exit_code, header, print_results
@@ -90,9 +91,9 @@ def relaunch(nproc: int, args: list[str], out_dir: Path) -> int:
     """Run `stabkit ARGS` on `nproc` processes under torchrun and wait; returns the exit code.
 
     torchrun (which starts each rank in a session of its own) runs in its own session too, so a
-    Ctrl-C reaches this process only. The first one creates the stop file the ranks look for after
-    each step (they stop together at the next one, logs flushed, summary partial); a second one
-    ends torchrun (SIGTERM, passed on to the ranks).
+    Ctrl-C reaches this process only. The first one (or a SIGTERM) creates the stop file the ranks
+    look for after each step (they stop together at the next one, logs flushed, summary partial); a
+    second Ctrl-C ends torchrun (SIGTERM, passed on to the ranks).
     """
     from ..distributed import torchrun_command
 
@@ -104,15 +105,20 @@ def relaunch(nproc: int, args: list[str], out_dir: Path) -> int:
     proc = subprocess.Popen(torchrun_command(nproc, args), env=env, start_new_session=True)
     interrupted = False
     try:
-        while True:
-            try:
-                code = proc.wait()
-                break
-            except KeyboardInterrupt:
-                if interrupted:
-                    proc.terminate()
-                stop_file.touch()
-                interrupted = True
+        with SigtermStop() as term:  # a SIGTERM here asks the ranks to stop, as the first Ctrl-C does
+            while True:
+                try:
+                    code = proc.wait(timeout=0.2)
+                    break
+                except subprocess.TimeoutExpired:
+                    if term.hit and not interrupted:
+                        stop_file.touch()
+                        interrupted = True
+                except KeyboardInterrupt:
+                    if interrupted:
+                        proc.terminate()
+                    stop_file.touch()
+                    interrupted = True
     finally:
         shutil.rmtree(stop_file.parent, ignore_errors=True)
     try:
@@ -120,7 +126,7 @@ def relaunch(nproc: int, args: list[str], out_dir: Path) -> int:
     except (OSError, ValueError):
         summary = None
     if interrupted:
-        return 130
+        return 143 if term.hit else 130
     if code != 0 or summary is None:
         return code or 1
     return exit_code(summary)

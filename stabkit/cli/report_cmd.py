@@ -1,5 +1,8 @@
 """`stabkit report LOGDIR`: read a run's logs back and print its events, advice and summary.
 
+LOGDIR is a `stabkit run` / `sweep` output folder, or a monitored run's logdir; when that logdir
+holds later runs too (``run-2``, ... — see `MonitorConfig.logdir_mode`), each run is its own row.
+
 Logs of `LARGE` bytes or more are read with progress on stderr (`Phase`, bytes read).
 """
 
@@ -51,13 +54,13 @@ def report_command(logdir: str, max_events: int) -> None:
         footer,
         load_run,
         results_table,
-        single_log,
+        run_logs,
         sweep_tables,
         verdict_lines,
     )
 
-    log = single_log(logdir)
-    with reading(f"reading {log}", [log] if log else []) as phase:
+    logs = run_logs(logdir)  # a monitored run's logdir: its log, and its later runs' (run-2, ...)
+    with reading(f"reading {', '.join(map(str, logs))}", logs) as phase:
         summary = load_run(logdir, progress=phase)
     kind = summary.get("kind", "run")
     events = ""
@@ -66,6 +69,8 @@ def report_command(logdir: str, max_events: int) -> None:
         with reading("reading the events", logs) as phase:
             events = events_text(summary, max_events, progress=phase)
     title = f"{summary.get('recipe', logdir)} ({kind}"
+    if kind == "log" and len(summary.get("variants", {})) > 1:
+        title += f", {len(summary['variants'])} runs, each in its own folder"
     if summary.get("size"):
         title += f", {summary['size']}, {summary.get('device', '?')}, seed {summary.get('seed', '?')}, {summary.get('steps', '?')} steps"
     click.echo(title + ")")
@@ -83,6 +88,8 @@ def report_command(logdir: str, max_events: int) -> None:
     click.echo(events)
     click.echo("")
     click.echo(results_table(summary))
+    for note in sorted({n for r in summary.get("variants", {}).values() for n in r.get("notes", [])}):
+        click.echo(f"note: {note}")
     if summary.get("verdicts"):
         click.echo("")
         click.echo(verdict_lines(summary))

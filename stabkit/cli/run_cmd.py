@@ -15,7 +15,7 @@ from typing import Any
 import click
 
 from ..models.presets import PRESETS
-from .app import UserInputError, main
+from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
 
 
@@ -54,7 +54,8 @@ def shared_options(fn: click.decorators.FC) -> click.decorators.FC:
                 "--steps",
                 type=click.IntRange(1, 10_000_000),
                 default=None,
-                help="Override the recipe's steps (a shortened run; fault steps scale).",
+                help="Override the recipe's steps (shorter: fault step and warmup scale down; longer: "
+                "they stay).",
             ),
             click.option(
                 "--seed",
@@ -80,6 +81,13 @@ def shared_options(fn: click.decorators.FC) -> click.decorators.FC:
     return fn
 
 
+def steps_note(steps: int, original: int) -> str:
+    """`shortened run (20 of 300 steps)` or `lengthened run (600 steps; the recipe has 300)`."""
+    if steps < original:
+        return f"shortened run ({steps} of {original} steps)"
+    return f"lengthened run ({steps} steps; the recipe has {original})"
+
+
 def header(recipe: object, device: str, jobs: int, original_steps: int | None, ddp: int = 0) -> str:
     """One paragraph on what is about to run (`ddp`: processes per variant, when data-parallel)."""
     from ..recipes import Recipe
@@ -102,9 +110,7 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None, d
         else f"  no [sizes.{recipe.size}] table: the recipe's base values are used"
     )
     if original_steps is not None and original_steps != recipe.train.steps:
-        lines.append(
-            f"  shortened run ({recipe.train.steps} of {original_steps} steps): verdicts are about this run only"
-        )
+        lines.append(f"  {steps_note(recipe.train.steps, original_steps)}: verdicts are about this run only")
     lines.append("  variants: " + ", ".join(f"{v.name} ({v.role})" for v in recipe.variants))
     return "\n".join(lines)
 
@@ -161,7 +167,7 @@ def run_command(
     original = load_recipe(recipe, size).train.steps if steps is not None else None
     preflight(loaded)
     dev = resolve_device(device)
-    out_dir = Path(out or Path("runs") / loaded.name)
+    out_dir = writable_dir(out or Path("runs") / loaded.name, "--out")
     if procs > 1:
         check_split(loaded, procs)
         if world > 1:
@@ -204,5 +210,8 @@ def print_results(summary: dict[str, Any], out_dir: Path) -> None:
 
 
 def exit_code(summary: dict[str, Any]) -> int:
-    """130 when interrupted, 1 when some variant did not finish, else 0."""
-    return 130 if summary["interrupted"] else (0 if summary["complete"] else 1)
+    """143 when stopped by SIGTERM, 130 when interrupted (Ctrl-C), 1 when some variant did not
+    finish, else 0."""
+    if summary["interrupted"]:
+        return 143 if summary.get("stopped_by") == "SIGTERM" else 130
+    return 0 if summary["complete"] else 1

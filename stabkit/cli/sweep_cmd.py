@@ -7,9 +7,9 @@ from pathlib import Path
 
 import click
 
-from .app import UserInputError, main
+from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
-from .run_cmd import header, resolve_device, resolve_jobs, shared_options
+from .run_cmd import exit_code, header, resolve_device, resolve_jobs, shared_options
 
 
 def parse_lrs(text: str | None) -> list[float] | None:
@@ -66,7 +66,7 @@ def sweep_command(
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":
         torch.set_num_threads(1)
-    out_dir = Path(out or Path("runs") / f"{loaded.name}-sweep")
+    out_dir = writable_dir(out or Path("runs") / f"{loaded.name}-sweep", "--out")
     grid = grid or loaded.sweep.lrs
     click.echo(header(loaded, dev, workers, original))
     click.echo(f"  LR grid: {', '.join(f'{lr:g}' for lr in grid)}")
@@ -87,7 +87,6 @@ def sweep_command(
     click.echo(
         f"took {summary.get('seconds', 0):.0f} s; summary: {out_dir / 'sweep.json'}; view: tensorboard --logdir {out_dir}"
     )
-    if summary["interrupted"]:
-        sys.exit(130)
-    if not summary["complete"]:
-        sys.exit(1)
+    code = exit_code(summary)
+    if code:
+        sys.exit(code)

@@ -14,11 +14,14 @@ pre-step hook (before the update: non-finite values, gradient-norm spikes), at `
 - rollback: restore the newest in-memory snapshot taken at or before the event's step (PaLM's
   recipe) and report which steps' batches were thereby skipped; before the update it also skips it.
 - dump: save the step's inputs (by value, on the CPU), RNG state, the event and a small state
-  report to `<logdir>/stabkit-dumps/` (or `DetectConfig.dump_dir`).
+  report to `<logdir>/stabkit-dumps/` (or `DetectConfig.dump_dir`). When the disk refuses (full,
+  read-only), nothing is saved, `event.details["dump"]` says why, a warning says so once, and the
+  event is still reported and acted on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import warnings
@@ -28,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ..events import Event, InstabilityError
+from ..sinks.fanout import reason
 from .config import DetectConfig
 from .nonfinite import StepGuard
 from .snapshots import SnapshotStore
@@ -91,7 +95,7 @@ class Actor:
         self.config = config
         self.snapshots = snapshots
         self.guard = guard
-        self._warned_no_dir = False
+        self._warned: set[str] = set()
 
     def run(self, event: Event, before_update: bool) -> None:
         """Act on `event` (already carrying its advice) and report it."""
@@ -137,23 +141,40 @@ class Actor:
         }
 
     def dump(self, event: Event) -> Path | None:
-        """Save the step's inputs and a state report; the .pt path, or None without a directory."""
-        root = self.config.dump_dir or (
-            self.monitor.logdir / "stabkit-dumps" if self.monitor.logdir else None
-        )
+        """Save the step's inputs and a state report; the .pt path, or None when nothing was saved
+        (no directory, or the disk refused: warned once, the event still reported, training goes on)."""
+        logdir = self._logdir()
+        root = self.config.dump_dir or (logdir / "stabkit-dumps" if logdir is not None else None)
         if root is None:
-            if not self._warned_no_dir:
-                warnings.warn(
-                    "stabkit: action 'dump' needs a logdir (stabkit.attach(..., logdir=...)) or "
-                    "DetectConfig(dump_dir=...); nothing was saved",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-                self._warned_no_dir = True
+            self._warn_once(
+                "no dir",
+                "stabkit: action 'dump' needs a logdir (stabkit.attach(..., logdir=...)) or "
+                "DetectConfig(dump_dir=...); nothing was saved",
+            )
             return None
-        folder = Path(root)
-        folder.mkdir(parents=True, exist_ok=True)
-        stem = folder / f"step{event.step:08d}-{event.kind}"
+        stem = Path(root) / f"step{event.step:08d}-{event.kind}"
+        try:
+            self._save(event, stem)
+        except Exception as exc:  # a full or read-only disk must not stop training nor lose the event
+            for path in (stem.with_suffix(".pt"), stem.with_suffix(".json")):
+                with contextlib.suppress(OSError):
+                    path.unlink(missing_ok=True)
+            event.details["dump"] = f"failed: {reason(exc)}"
+            self._warn_once(
+                "failed",
+                f"stabkit: action 'dump' could not save to {root} ({reason(exc)}); the event is still "
+                "reported and kept in Monitor.events, training goes on",
+            )
+            return None
+        return stem.with_suffix(".pt")
+
+    def _logdir(self) -> Path | None:
+        """The folder the monitor's logs go to (a ``run-<n>`` subfolder when the logdir held a run)."""
+        chosen = getattr(self.monitor.sinks, "logdir", None)
+        return Path(chosen) if chosen is not None else self.monitor.logdir
+
+    def _save(self, event: Event, stem: Path) -> None:
+        stem.parent.mkdir(parents=True, exist_ok=True)
         forwards = self.guard.forwards if self.guard is not None else []
         report = state_report(self.monitor)
         payload = {
@@ -165,4 +186,8 @@ class Actor:
         torch.save(payload, stem.with_suffix(".pt"))
         text = {"event": event.to_dict(), "micro_batches": len(forwards), **report}
         stem.with_suffix(".json").write_text(json.dumps(text, indent=1, default=str, allow_nan=True))
-        return stem.with_suffix(".pt")
+
+    def _warn_once(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(message, RuntimeWarning, stacklevel=3)

@@ -48,9 +48,12 @@ class RankEventEcho:
 
 
 def rank_sinks(logdir: str | Path | None, config: MonitorConfig, ctx: DistContext) -> SinkSet:
-    """The sinks of this rank: all of them on the writing rank; an event echo on the others."""
+    """The sinks of this rank (built at `attach`): all of them on the writing rank, in the folder
+    `MonitorConfig.logdir_mode` picks (`SinkSet.logdir`); an event echo on the others."""
     if ctx.writes:
-        return SinkSet(logdir, config.tensorboard, config.jsonl, config.console)
+        return SinkSet(
+            logdir, config.tensorboard, config.jsonl, config.console, config.logdir_mode, config.strict
+        )
     sinks = SinkSet(None, tensorboard=False, jsonl=False, console=False)
     if config.console:
         sinks.files.append(RankEventEcho(ctx.rank))

@@ -7,6 +7,7 @@ the stabkit sources (a source checkout or editable install).
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+MIN_TEXT_BYTES = 1000
+"""The shortest training text `stabkit.data.ByteCorpus` accepts."""
 SOURCE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 """The recipes shipped with a source checkout."""
 
@@ -116,11 +119,38 @@ def load_recipe(
         recipe.data = data
     elif recipe.data is not None and not Path(recipe.data).is_absolute():
         recipe.data = str((path.parent / recipe.data).resolve())
+    if recipe.data is not None:
+        problem = text_problem(recipe.data, recipe.model.context)
+        if problem and data is not None:
+            raise ValueError(f"--data: {problem}")
+        if problem:
+            raise RecipeError("data.path", problem, source)
     if recipe.fault is not None and recipe.fault.step >= recipe.train.steps:
         raise RecipeError(
             "fault.step", f"must be below train.steps = {recipe.train.steps}, got {recipe.fault.step}", source
         )
     return recipe
+
+
+def text_problem(path: str | Path, context: int) -> str | None:
+    """What makes `path` unusable as training text for a model with this `context` (missing, not a
+    file, too short for both the training and the held-out split), or None. Runs at load, so the
+    CLI answers before any worker starts."""
+    from ..data.text import VAL_FRACTION
+
+    p = Path(path)
+    if not p.exists():
+        return f"file {str(p)!r} does not exist"
+    if not p.is_file():
+        return f"{str(p)!r} is not a file"
+    need = max(MIN_TEXT_BYTES, math.ceil((context + 2) / VAL_FRACTION))
+    size = p.stat().st_size
+    if size < need:
+        return (
+            f"{str(p)!r} has {size} bytes; training needs at least {need} (at least {MIN_TEXT_BYTES}, and a "
+            f"held-out {VAL_FRACTION:.0%} longer than the context {context} + 1)"
+        )
+    return None
 
 
 def _override_steps(recipe: Recipe, steps: int) -> None:

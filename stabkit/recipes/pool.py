@@ -1,15 +1,18 @@
 """Run jobs side by side: in worker processes (spawn, one torch thread each) or in this process
 (one after another; also each rank of a data-parallel run, where every rank runs every job).
 
-`execute` runs in the parent for the whole command. Workers ignore Ctrl-C; the parent catches it,
-sets a shared stop flag (each worker ends at its next step, logs flushed, status "interrupted"),
-cancels the jobs that have not started and waits for the rest; a second Ctrl-C, or a worker that
-does not stop within `STOP_GRACE_S`, ends the workers at once.
+`execute` runs in the parent for the whole command. Workers ignore Ctrl-C; the parent catches it
+(or sees `should_stop()` turn true: a SIGTERM, see `signals.SigtermStop`), sets a shared stop flag
+(each worker ends at its next step, logs flushed, status "interrupted"), cancels the jobs that have
+not started and waits for the rest; a second Ctrl-C, or a worker that does not stop within
+`STOP_GRACE_S`, ends the workers at once. A worker whose parent is gone (killed with SIGKILL) stops
+at its next step too, so no worker trains on as an orphan.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import queue as queue_mod
 import signal
 import time
@@ -26,18 +29,28 @@ Result = dict[str, Any]
 
 _queue: Any = None
 _stop: Any = None
+_parent = 0
 
 
-def _init_worker(queue: Any, stop: Any) -> None:
-    """Pool initializer: one torch thread, Ctrl-C left to the parent."""
-    global _queue, _stop
+def _init_worker(queue: Any, stop: Any, parent: int) -> None:
+    """Pool initializer: one torch thread, Ctrl-C left to the parent (SIGTERM keeps its default: a
+    worker ends, its logs flushed by `stabkit.lifecycle`)."""
+    global _queue, _stop, _parent
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
-    _queue, _stop = queue, stop
+    _queue, _stop, _parent = queue, stop, parent
+
+
+def _should_stop() -> bool:
+    """Asked by the worker after each step: the parent asked to stop, or the parent is gone."""
+    return bool(_stop.is_set()) or os.getppid() != _parent
 
 
 def _work(job: Job) -> Result:
-    return run_job(job, progress=lambda *msg: _queue.put(msg), should_stop=_stop.is_set)
+    result = run_job(job, progress=lambda *msg: _queue.put(msg), should_stop=_should_stop)
+    if os.getppid() != _parent:  # orphaned: nobody takes the result or sends the next job
+        os._exit(1)  # the monitor is detached and its logs flushed already
+    return result
 
 
 def not_run(job: Job, status: str = "not run", error: str = "") -> Result:
@@ -58,9 +71,9 @@ def execute(
     """Run `jobs` with `workers` processes (1: in this process); returns True when interrupted.
 
     `on_progress(run, status, step, total, loss)` and `on_result(job, result)` are called in this
-    process, results as soon as each job ends, in completion order. `should_stop` (in this process
-    only) is asked after each step; when it says yes the job ends as on Ctrl-C. Data-parallel jobs
-    (`Job.ddp`) always run in this process.
+    process, results as soon as each job ends, in completion order. `should_stop` is asked after each
+    step (in this process) or every poll (with workers); when it says yes the jobs end as on Ctrl-C.
+    Data-parallel jobs (`Job.ddp`) always run in this process.
     """
     report = on_progress or (lambda *a: None)
     deliver = on_result or (lambda j, r: None)
@@ -70,27 +83,37 @@ def execute(
     queue, stop = ctx.Queue(), ctx.Event()
     interrupted = False
     executor = ProcessPoolExecutor(
-        min(workers, len(jobs)), mp_context=ctx, initializer=_init_worker, initargs=(queue, stop)
+        min(workers, len(jobs)),
+        mp_context=ctx,
+        initializer=_init_worker,
+        initargs=(queue, stop, os.getpid()),
     )
     futures: dict[Future[Result], Job] = {executor.submit(_work, job): job for job in jobs}
     pending = set(futures)
     deadline = None
+
+    def interrupt() -> None:
+        nonlocal interrupted, pending, deadline
+        interrupted = True
+        stop.set()
+        for f in pending:
+            if f.cancel():
+                deliver(futures[f], not_run(futures[f]))
+        pending = {f for f in pending if not f.cancelled()}
+        deadline = time.monotonic() + STOP_GRACE_S
+
     try:
         while pending:
             try:
-                pending = _poll(pending, futures, queue, report, deliver)
+                if not interrupted and should_stop is not None and should_stop():
+                    interrupt()
+                pending = _poll(pending, futures, queue, report, deliver, interrupted)
                 if deadline is not None and time.monotonic() > deadline:
                     break
             except KeyboardInterrupt:
                 if interrupted:  # second Ctrl-C: stop waiting
                     break
-                interrupted = True
-                stop.set()
-                for f in pending:
-                    if f.cancel():
-                        deliver(futures[f], not_run(futures[f]))
-                pending = {f for f in pending if not f.cancelled()}
-                deadline = time.monotonic() + STOP_GRACE_S
+                interrupt()
     finally:
         if pending:  # workers that did not stop in time
             for proc in list(getattr(executor, "_processes", {}).values()):  # no public API for this
@@ -108,6 +131,7 @@ def _poll(
     queue: Any,
     report: Progress,
     deliver: Callable[[Job, Result], None],
+    stopping: bool = False,
 ) -> set[Future[Result]]:
     done, still = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
     _drain(queue, report)
@@ -118,7 +142,8 @@ def _poll(
         try:
             deliver(job, f.result())
         except Exception as exc:  # the worker process died (BrokenProcessPool) or could not unpickle
-            deliver(job, not_run(job, "failed", f"{type(exc).__name__}: {exc}"))
+            status = "interrupted" if stopping else "failed"  # stopping: e.g. SIGTERM to the group
+            deliver(job, not_run(job, status, f"{type(exc).__name__}: {exc}"))
     return still
 
 

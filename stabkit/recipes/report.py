@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..sinks import LOG_NAME, read_jsonl
+from ..sinks.rundir import run_folders
 from .measures import best_smoothed, monitored, tail_mean
 from .runner import SUMMARY
 
@@ -71,34 +72,54 @@ def single_log(logdir: str | Path) -> Path | None:
     return root / LOG_NAME
 
 
+def run_logs(logdir: str | Path) -> list[Path]:
+    """The JSONL logs `load_run` reads when LOGDIR holds monitored runs rather than a summary: the
+    logdir's own and those of its later runs (``run-2``, ``run-3``, …: `stabkit.attach` puts a run
+    there when the logdir already held one), in order; [] otherwise."""
+    root = Path(logdir)
+    if (root / SUMMARY).is_file() or (root / "sweep.json").is_file():
+        return []
+    return [f / LOG_NAME for f in run_folders(root) if (f / LOG_NAME).is_file()]
+
+
 def load_run(logdir: str | Path, progress: Progress | None = None) -> dict[str, Any]:
-    """A run's summary: ``summary.json`` (a recipe run or sweep), or one built from a single
-    monitored run's ``stabkit.jsonl`` (bytes read reported to `progress`, then
-    ``progress.begin("summarising ...")``). FileNotFoundError when LOGDIR holds neither."""
+    """A run's summary: ``summary.json`` (a recipe run or sweep), or one built from the monitored
+    runs' ``stabkit.jsonl`` logs in LOGDIR (`run_logs`: one row per run, never mixed; bytes read
+    reported to `progress`, then ``progress.begin("summarising ...")``). FileNotFoundError when LOGDIR
+    holds neither."""
     root = Path(logdir)
     if (root / SUMMARY).is_file():
         return _float(json.loads((root / SUMMARY).read_text(encoding="utf-8")))
     if (root / "sweep.json").is_file():
         return _float(json.loads((root / "sweep.json").read_text(encoding="utf-8")))
-    if (root / LOG_NAME).is_file():
-        return _single(root, progress)
+    logs = run_logs(root)
+    if logs:
+        variants = {}
+        for log in logs:
+            name = root.name if log.parent == root else log.parent.name
+            variants[name] = _single(log.parent, name, progress)
+        return {"kind": "log", "recipe": root.name, "complete": True, "variants": variants, "verdicts": {}}
     raise FileNotFoundError(
         f"{str(root)!r} has no {SUMMARY}, sweep.json or {LOG_NAME}; pass a stabkit logdir"
     )
 
 
-def _single(root: Path, progress: Progress | None = None) -> dict[str, Any]:
-    rows = read_log(root / LOG_NAME, progress)
+def _single(folder: Path, name: str, progress: Progress | None = None) -> dict[str, Any]:
+    """One monitored run's result, from its ``stabkit.jsonl``."""
+    rows = read_log(folder / LOG_NAME, progress)
     history = [(r["step"], r["values"]) for r in rows if r.get("type") == "metrics"]
     if progress is not None:
         progress.begin(f"summarising {len(history)} steps")
     losses = [v["loss"] for _, v in history if "loss" in v]
     events = [r for r in rows if r.get("type") == "event"]
+    starts = sum(1 for r in rows if r.get("type") == "run")
+    notes = [f"{name}: {starts} runs appended to one log (logdir_mode='append')"] if starts > 1 else []
     result = {
-        "variant": root.name,
+        "variant": name,
         "role": "run",
         "status": "logged",
-        "logdir": str(root),
+        "logdir": str(folder),
+        "notes": notes,
         "steps_done": len(losses),
         "final_loss": tail_mean(losses),
         "best_loss": best_smoothed(losses),
@@ -108,13 +129,7 @@ def _single(root: Path, progress: Progress | None = None) -> dict[str, Any]:
         "event_list": events,  # every event of the log: `events_of` need not read it again
         **monitored(history),
     }
-    return {
-        "kind": "log",
-        "recipe": root.name,
-        "complete": True,
-        "variants": {root.name: result},
-        "verdicts": {},
-    }
+    return result
 
 
 def events_of(result: dict[str, Any], progress: Progress | None = None) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from datetime import datetime, timezone
@@ -20,10 +21,13 @@ from pathlib import Path
 from typing import Any
 
 from ..distributed import SINGLE, DistContext
+from ..sinks.fanout import reason
 from ..sinks.jsonl import json_safe
+from ..sinks.rundir import clear_logs
 from .checks import Check
 from .pool import execute
 from .recipe import Recipe
+from .signals import SigtermStop
 from .verdict import judge
 from .worker import Job, Progress
 
@@ -41,18 +45,10 @@ def all_checks(recipe: Recipe) -> Iterable[Check]:
 
 def clear_previous_logs(jobs: Iterable[Job]) -> None:
     """Remove what an earlier run of the same recipe left in each job's log folder (stabkit's JSONL
-    log, TensorBoard event files, dumps), so reports and charts show this run only. Other files stay."""
-    import shutil
-
+    log, TensorBoard event files, dumps), so reports and charts show this run only, and each worker's
+    `attach` writes into the folder itself (not a ``run-<n>`` subfolder). Other files stay."""
     for job in jobs:
-        folder = Path(job.logdir)
-        if not folder.is_dir():
-            continue
-        for path in folder.iterdir():
-            if path.name == "stabkit.jsonl" or path.name.startswith("events.out.tfevents."):
-                path.unlink()
-            elif path.name == "stabkit-dumps" and path.is_dir():
-                shutil.rmtree(path)
+        clear_logs(job.logdir)
 
 
 def history_checks(recipe: Recipe) -> list[tuple[str, str]]:
@@ -112,11 +108,22 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    """Write JSON atomically (a reader never sees half a file); non-finite floats become strings."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    """Write JSON atomically (a reader never sees half a file); non-finite floats become strings.
+    A disk that refuses (full, read-only) is warned about, not raised: the runs go on and the
+    command still prints its results."""
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(json_safe(data), indent=2), encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(json.dumps(json_safe(data), indent=2), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError as exc:
+        warnings.warn(f"stabkit: could not write {path} ({reason(exc)}); the runs go on", stacklevel=2)
+
+
+def either(*asks: Callable[[], bool] | None) -> Callable[[], bool]:
+    """A `should_stop` that says yes when any of `asks` does."""
+    live = [a for a in asks if a is not None]
+    return lambda: any(a() for a in live)
 
 
 def run_recipe(
@@ -135,7 +142,9 @@ def run_recipe(
 
     With an active `dist` (this process is one rank of a torchrun job, process group initialised)
     every variant trains with DDP over all ranks, `workers` is ignored, and only rank 0 writes.
-    `should_stop` is asked after each step (in the data-parallel case the ranks agree on it).
+    `should_stop` is asked after each step (in the data-parallel case the ranks agree on it). A
+    SIGTERM while it runs stops every job as Ctrl-C does (`SigtermStop`): the summary then says
+    ``"interrupted": true, "stopped_by": "SIGTERM"``.
     """
     out = Path(out)
     jobs = plan(recipe, out, device, ddp=dist.active)
@@ -167,11 +176,14 @@ def run_recipe(
         if on_update is not None:
             on_update(summary)
 
-    interrupted = execute(jobs, workers, on_progress, on_result, should_stop)
+    with SigtermStop() as term:
+        interrupted = execute(jobs, workers, on_progress, on_result, either(should_stop, term))
     order = [v.name for v in recipe.variants]
     summary["variants"] = {n: summary["variants"][n] for n in order if n in summary["variants"]}
-    summary["interrupted"] = interrupted
-    summary["complete"] = not interrupted and all(
+    summary["interrupted"] = interrupted or term.hit
+    if term.hit:
+        summary["stopped_by"] = "SIGTERM"
+    summary["complete"] = not summary["interrupted"] and all(
         r.get("status") == "done" for r in summary["variants"].values()
     )
     summary["verdicts"] = verdicts(recipe, summary["variants"])

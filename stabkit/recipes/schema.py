@@ -80,7 +80,7 @@ def parse_train(raw: Any, where: str = "train", base: TrainSpec | None = None) -
     spec = TrainSpec(**vars(base)) if base is not None else TrainSpec()
     readers: dict[str, Any] = {
         "steps": lambda v, w: integer(v, w, lo=1),
-        "batch_size": lambda v, w: integer(v, w, lo=1),
+        "batch_size": _batch_size,
         "lr": lambda v, w: number(v, w, lo_open=True),
         "warmup": lambda v, w: integer(v, w, lo=0),
         "min_lr_fraction": lambda v, w: number(v, w, hi=1.0),
@@ -97,6 +97,20 @@ def parse_train(raw: Any, where: str = "train", base: TrainSpec | None = None) -
     for key, value in t.items():
         setattr(spec, key, readers[key](value, f"{where}.{key}"))
     return spec
+
+
+MAX_BATCH_SIZE = 4096
+"""The largest `train.batch_size` (sequences per micro-batch) a recipe may ask for."""
+
+
+def _batch_size(raw: Any, where: str) -> int:
+    if isinstance(raw, int) and not isinstance(raw, bool) and raw > MAX_BATCH_SIZE:
+        raise RecipeError(
+            where,
+            f"must be an integer in [1, {MAX_BATCH_SIZE}] (sequences per micro-batch), got {raw}; "
+            "for a larger batch per optimizer step set train.grad_accum (micro-batches per step)",
+        )
+    return integer(raw, where, lo=1, hi=MAX_BATCH_SIZE)
 
 
 def _betas(raw: Any, where: str) -> tuple[float, float]:

@@ -28,6 +28,7 @@ from typing import Any
 from .pool import execute
 from .recipe import Recipe
 from .runner import clear_previous_logs, describe, history_checks, write_json
+from .signals import SigtermStop
 from .verdict import judge
 from .worker import Job, Progress
 
@@ -155,7 +156,10 @@ def run_sweep(
             on_update(summary)
 
     refresh()
-    summary["interrupted"] = execute(jobs, workers, on_progress, on_result)
+    with SigtermStop() as term:  # SIGTERM: every run stops at its next step, as on Ctrl-C
+        summary["interrupted"] = execute(jobs, workers, on_progress, on_result, term) or term.hit
+    if term.hit:
+        summary["stopped_by"] = "SIGTERM"
     summary["complete"] = not summary["interrupted"] and all(
         v["status"] == "done" for v in tabulate(recipe, grid, runs).values()
     )

@@ -35,6 +35,7 @@ class ConsoleSink:
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
+        self.label = "the console (stderr)"
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stderr, flush=True)

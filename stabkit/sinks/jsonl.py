@@ -45,11 +45,13 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class JsonlSink:
-    """Appends to `<logdir>/stabkit.jsonl`."""
+    """Appends to `<logdir>/stabkit.jsonl`. Raises OSError when the file cannot be opened or written
+    (`SinkSet` then switches it off)."""
 
     def __init__(self, logdir: str | Path) -> None:
         Path(logdir).mkdir(parents=True, exist_ok=True)
         self.path = Path(logdir) / LOG_NAME
+        self.label = str(self.path)
         self._fh = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - kept open for the run
 
     def _write(self, obj: dict[str, Any], sync: bool = False) -> None:
@@ -79,6 +81,9 @@ class JsonlSink:
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:
+        """Flush and close; the file is closed even when the flush fails (then it raises)."""
         if not self._fh.closed:
-            self.flush()
-            self._fh.close()
+            try:
+                self.flush()
+            finally:
+                self._fh.close()

@@ -1,11 +1,15 @@
 """TensorBoard sink: scalars named as metrics, events as scalars and text, per-layer multiline charts.
 
 Runs at each log interval (after the host copy) and on every event; never computes statistics.
+TensorBoard writes from a background thread; when the disk refuses a write, that thread stops and
+the next call here raises its OSError (`SinkSet` then warns once and switches this sink off), so
+the thread's own traceback is not printed as well (`quiet_writer_thread_errors`).
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +32,35 @@ def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
     return layout
 
 
+_quiet = False
+
+
+def quiet_writer_thread_errors() -> None:
+    """Once per process, when the first TensorBoard sink is made: an OSError that ends TensorBoard's
+    writer thread is not printed by `threading.excepthook` (the sink raises it in the caller's
+    thread, where stabkit reports it); every other thread error goes to the previous hook."""
+    global _quiet
+    if _quiet:
+        return
+    _quiet = True
+    previous = threading.excepthook
+
+    def hook(args: threading.ExceptHookArgs) -> None:
+        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
+            return
+        previous(args)
+
+    threading.excepthook = hook
+
+
 class TensorBoardSink:
     """Writes to `logdir` with torch.utils.tensorboard's SummaryWriter."""
 
     def __init__(self, logdir: str | Path) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        self.label = f"TensorBoard events in {logdir}"
+        quiet_writer_thread_errors()
         self.writer = SummaryWriter(log_dir=str(logdir))
         self._layout_names: set[str] = set()
 
