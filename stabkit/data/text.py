@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 
 VAL_FRACTION = 0.1
+MIN_TEXT_BYTES = 1000
+"""The shortest training text a corpus accepts (also checked when a recipe loads)."""
 
 
 def embedded_text() -> bytes:
@@ -24,8 +26,8 @@ class ByteCorpus:
     """A byte sequence split into train (first 90 %) and validation (last 10 %)."""
 
     def __init__(self, data: bytes, name: str = "text") -> None:
-        if len(data) < 1000:
-            raise ValueError(f"training text {name!r} has {len(data)} bytes; need at least 1000")
+        if len(data) < MIN_TEXT_BYTES:
+            raise ValueError(f"training text {name!r} has {len(data)} bytes; need at least {MIN_TEXT_BYTES}")
         self.name = name
         tokens = torch.frombuffer(bytearray(data), dtype=torch.uint8).long()
         cut = int(len(tokens) * (1 - VAL_FRACTION))

@@ -24,7 +24,6 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-MIN_TEXT_BYTES = 1000
 """The shortest training text `stabkit.data.ByteCorpus` accepts."""
 SOURCE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
 """The recipes shipped with a source checkout."""
@@ -136,7 +135,7 @@ def text_problem(path: str | Path, context: int) -> str | None:
     """What makes `path` unusable as training text for a model with this `context` (missing, not a
     file, too short for both the training and the held-out split), or None. Runs at load, so the
     CLI answers before any worker starts."""
-    from ..data.text import VAL_FRACTION
+    from ..data.text import MIN_TEXT_BYTES, VAL_FRACTION
 
     p = Path(path)
     if not p.exists():
