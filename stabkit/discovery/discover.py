@@ -24,9 +24,11 @@ _TRACE_ATTR = "_stabkit_trace_cache"
 
 
 def _sharded(model: nn.Module) -> bool:
-    """True for FSDP2-sharded parameters (a forward would run collectives): names only."""
+    """True when no forward should be traced: FSDP2-sharded parameters (a forward would run
+    collectives) or a model on the meta device (no values to follow; HF mask code cannot run there)."""
     return any(
-        type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in model.parameters()
+        p.device.type == "meta" or type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
+        for p in model.parameters()
     )
 
 
@@ -62,7 +64,7 @@ def traced_or_named(
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
     elif _sharded(model):
-        reason = "sharded parameters (a traced forward would run collectives)"
+        reason = "meta device or sharded parameters (no forward is traced there)"
     if ex is not None:
         try:
             return traced_map(model, ex)
