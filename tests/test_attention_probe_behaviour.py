@@ -104,13 +104,13 @@ def test_sampled_max_never_exceeds_exact_and_default_lands_within_ten_percent() 
     sampled = stabkit.attach(model, None, config=config(), logdir=None)
     assert (sampled.config.attn_sample_rows, sampled.config.attn_sample_queries) == (4, 64)  # the defaults
     exact = stabkit.attach(model, None, config=config(**EXACT), logdir=None)
-    with torch.no_grad():
-        for _ in range(4):  # the uniform row sample rotates
-            model(corpus.batch("train", 16, cfg.context, g)[0])
-            sampled.step()
-            exact.step()
+    for _ in range(4):  # the uniform row sample rotates; training forwards (no_grad ones are not measured)
+        model(corpus.batch("train", 16, cfg.context, g)[0])
+        sampled.step()
+        exact.step()
     sampled.detach()
     exact.detach()
+    assert len(sampled.history) == len(exact.history) == 4
     paths = stabkit.inspect(model).attention_paths
     for (_, s_row), (_, e_row) in zip(sampled.history, exact.history, strict=True):
         for p in paths:
@@ -244,7 +244,8 @@ class MHALM(nn.Module):
 
 def test_mha_inference_fast_path_is_left_alone_and_training_is_measured() -> None:
     """eval + no_grad: a function mode would divert nn.MultiheadAttention from its fused inference path
-    (other rounding), so the probe does not measure there; with gradients or in training it does."""
+    (other rounding), so the probe does not measure there; only training forwards (train mode and
+    gradients) are measured, so an eval forward with gradients is not either."""
     torch.manual_seed(0)
     model = MHALM().eval()
     idx = zoo.batch(4)[0]
@@ -254,7 +255,7 @@ def test_mha_inference_fast_path_is_left_alone_and_training_is_measured() -> Non
     with torch.no_grad():
         watched = model(idx)
     mon.step()
-    model(idx)  # eval with gradients: no fast path, measured
+    model(idx)  # eval with gradients: not a training forward, not measured
     mon.step()
     model.train()(idx)
     mon.step()
@@ -262,4 +263,4 @@ def test_mha_inference_fast_path_is_left_alone_and_training_is_measured() -> Non
     mon.detach()
     assert torch.equal(bare, watched)
     measured = [step for step, row in mon.history if any(k.startswith("attn/") for k in row)]
-    assert measured == [1, 2]
+    assert measured == [2]

@@ -10,7 +10,8 @@ parent compares each variant's peak RSS with the bare loop's. The child runs wit
 threshold lowered (MALLOC_MMAP_THRESHOLD_), so freed tensors go back to the OS at once and the
 peak RSS follows the peak of live memory instead of the allocator's caching. The peak is read
 from /proc/self/status (VmHWM): `ru_maxrss` would report the parent's peak, inherited at fork.
-Resolution is the process noise (the bare loop is measured twice to show it).
+Resolution is the process noise (the bare loop is measured twice to show it). The profiled steps
+start on a sampled step (`MonitorConfig.every`), so the per-layer statistics' memory is counted.
 """
 
 from __future__ import annotations
@@ -189,6 +190,8 @@ def _main(payload: str, variant: str) -> None:
             trainer.monitor = attach(trainer.model, trainer.opt, logdir=tmp, config=mcfg)
         anomaly = variant == "anomaly"
         trainer.run(cfg.warmup + cfg.steps, anomaly=anomaly)
+        if trainer.monitor is not None:  # profile from a sampled step: per-layer statistics count too
+            trainer.run(-trainer.monitor.global_step % trainer.monitor.config.every, anomaly=anomaly)
         rss = peak_rss_bytes()  # before profiling: the profiler's own records would count
         tensors = peak_tensor_bytes(lambda n: trainer.run(n, anomaly=anomaly), PROFILED_STEPS)
         if trainer.monitor is not None:

@@ -14,8 +14,9 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
     """Median ms/step (wall), min–max, ratio to bare (wall and CPU time), memory, budget verdicts."""
     cfg = result.config
     judged = "CPU-time" if cfg["device"] == "cpu" else "wall-clock"
+    shape = "" if cfg.get("seq_len") is None else f" seq_len={cfg['seq_len']} batch={cfg.get('batch')}"
     head = (
-        f"stabkit bench: size={cfg['size']} device={cfg['device']} steps={cfg['steps']} "
+        f"stabkit bench: size={cfg['size']}{shape} device={cfg['device']} steps={cfg['steps']} "
         f"repeats={cfg['repeats']} bf16={cfg['bf16']}  (model+grads+optimizer: {result.model_bytes / 2**20:.1f} MiB)"
     )
     lines = [

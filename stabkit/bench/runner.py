@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from ..config import MonitorConfig
 from ..data import load_corpus
-from ..models import GPT, PRESET_BATCH, preset_config
+from ..models import GPT, PRESET_BATCH, GPTConfig, preset_config
 from ..monitor import Monitor, attach
 
 VARIANTS = ("bare", "default", "full", "anomaly")
@@ -58,7 +58,10 @@ class BenchConfig:
     bf16: bool = False
     """bf16 autocast (CUDA)."""
     batch_size: int | None = None
-    """Sequences per step (None = the preset's)."""
+    """Sequences per step (None = the preset's; with `seq_len`, the preset's tokens per step)."""
+    seq_len: int | None = None
+    """Sequence length T: the model's context (None = the preset's). Without `batch_size`, a step keeps
+    the preset's tokens (batch × context) in T-long sequences, at least one (long-context memory)."""
     variants: tuple[str, ...] = VARIANTS
     """Which variants to run (bare is always run)."""
     seed: int = 0
@@ -68,6 +71,8 @@ class BenchConfig:
     def __post_init__(self) -> None:
         if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("bench: --steps and --repeats must be >= 1 (warmup >= 0)")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
+            raise ValueError(f"bench: --seq-len must be an integer >= 1, got {self.seq_len!r}")
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"bench: --device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -170,7 +175,7 @@ class _Trainer:
 
     def __init__(self, cfg: BenchConfig, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         torch.manual_seed(cfg.seed)
-        mcfg = preset_config(cfg.size)
+        mcfg = model_config(cfg)
         self.device = torch.device(cfg.device)
         self.model = GPT(mcfg).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
@@ -219,13 +224,27 @@ def _autocast(device: torch.device, bf16: bool) -> Iterator[None]:
         yield
 
 
+def model_config(cfg: BenchConfig) -> GPTConfig:
+    """The benchmarked model: the preset, with `seq_len` as its context when given."""
+    return preset_config(cfg.size, **({} if cfg.seq_len is None else {"context": cfg.seq_len}))
+
+
+def batch_size(cfg: BenchConfig) -> int:
+    """Sequences per step: `batch_size`, else the preset's tokens per step in `seq_len`-long
+    sequences (at least one), else the preset's batch."""
+    if cfg.batch_size:
+        return cfg.batch_size
+    if cfg.seq_len is None:
+        return PRESET_BATCH[cfg.size]
+    return max(1, PRESET_BATCH[cfg.size] * preset_config(cfg.size).context // cfg.seq_len)
+
+
 def make_batches(cfg: BenchConfig, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """`n` fixed batches from the embedded text (the same for every variant)."""
     corpus = load_corpus()
-    mcfg = preset_config(cfg.size)
     gen = torch.Generator().manual_seed(cfg.seed)
-    bsz = cfg.batch_size or PRESET_BATCH[cfg.size]
-    return [corpus.batch("train", bsz, mcfg.context, gen) for _ in range(n)]
+    context = model_config(cfg).context
+    return [corpus.batch("train", batch_size(cfg), context, gen) for _ in range(n)]
 
 
 def monitor_config(variant: str) -> MonitorConfig | None:
@@ -288,6 +307,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     model_bytes = trainers["bare"].model_bytes()
     out = BenchResult(config=vars(cfg).copy(), variants=results, model_bytes=model_bytes)
     out.config["variants"] = list(cfg.variants)
+    out.config["batch"] = batch_size(cfg)  # sequences per step actually used
     if cfg.device == "cuda":
         base = results["bare"].peak_bytes or 0
         out.memory = {n: (v.peak_bytes or 0) - base for n, v in results.items()}

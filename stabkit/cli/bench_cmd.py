@@ -35,6 +35,13 @@ SIZES = ("tiny", "small", "gpt2", "1b")
     type=click.IntRange(1),
     help="Interleaved rounds.  [default: 5; 3 with --quick]",
 )
+@click.option(
+    "--seq-len",
+    default=None,
+    type=click.IntRange(1),
+    help="Sequence length of the benchmarked model (its context); a step keeps the preset's tokens "
+    "(at least one sequence), e.g. --size tiny --seq-len 8192 for long-context memory.  [default: the preset's]",
+)
 @click.option("--bf16", is_flag=True, help="bf16 autocast (CUDA).")
 @click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, help="Comma-separated.")
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
@@ -52,6 +59,7 @@ def bench(
     size: str,
     steps: int | None,
     repeats: int | None,
+    seq_len: int | None,
     bf16: bool,
     variants: str,
     no_memory: bool,
@@ -76,6 +84,7 @@ def bench(
         repeats=repeats or (QUICK["repeats"] if quick else BenchConfig.repeats),
         warmup=QUICK["warmup"] if quick else BenchConfig.warmup,
         bf16=bf16,
+        seq_len=seq_len,
         variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
         quick=quick,
     )

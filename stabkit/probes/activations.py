@@ -1,7 +1,9 @@
 """Activation probe: RMS, abs-max and non-finite count of selected modules' outputs.
 
-Forward hooks, active on sampled steps only. The block modules' outputs are the residual stream
-after each block, so `act/<block>/rms` is the residual-stream RMS.
+Forward hooks, active on sampled steps and in training forwards only (not in evaluation,
+generation, no-grad forwards, nor the recomputation of activation checkpointing: see
+`ProbeContext.training_forward`). The block modules' outputs are the residual stream after each
+block, so `act/<block>/rms` is the residual-stream RMS.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class ActivationProbe(Probe):
         # the last measured tensor is remembered (weakly, so nothing is kept alive) and not measured twice.
         self._last: tuple[weakref.ref[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
         modules = dict(ctx.model.named_modules())
+        self.watch_forwards()
         for path in self.paths:
             self.handles.append(modules[path].register_forward_hook(self._make_hook(path)))
 
@@ -39,16 +42,18 @@ class ActivationProbe(Probe):
         names = (f"act/{path}/rms", f"act/{path}/absmax", f"act/{path}/nonfinite")
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self._measure(names, output)
+            ctx = self.ctx
+            assert ctx is not None
+            if self.enabled and ctx.sampled() and ctx.training_forward(module):
+                self._measure(names, output)
 
         return hook
 
     @guarded
     def _measure(self, names: tuple[str, str, str], output: Any) -> None:
+        """Forward hook body (after the module's forward, in a sampled training forward)."""
         ctx = self.ctx
         assert ctx is not None
-        if not ctx.sampled():
-            return
         x = first_tensor(output)
         last = self._last
         if last is not None and last[0]() is x:

@@ -8,9 +8,13 @@ module's forward pre-hook and popped in its forward hook. While the module runs,
 ``F.multi_head_attention_forward`` to this probe, which recomputes the logits on a sample of batch
 rows and query positions (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`; None = exact;
 see `attention_measure` for how the max is kept close to exact), in float32 under ``no_grad``, with
-no RNG, then passes the call on with its original arguments: the model's outputs and RNG stream are
-untouched. On other steps the pre-hook returns at once (no mode). A training-mode forward that
-makes none of these calls (e.g. an external flash kernel) makes the probe warn once and switch off.
+no RNG, in blocks of heads, queries and keys whose temporaries stay within
+`MonitorConfig.attn_chunk_bytes` (the entropy by an online log-sum-exp over key blocks), then
+passes the call on with its original arguments: the model's outputs and RNG stream are untouched.
+On other steps, and in forwards that are not training forwards (evaluation, ``generate()``,
+``no_grad``, checkpoint recomputation: `ProbeContext.training_forward`), the pre-hook returns at
+once (no mode). A training-mode forward that makes none of these calls (e.g. an external flash
+kernel) makes the probe warn once and switch off.
 
 Metrics per attention module (path `p`): ``attn/p/max_logit`` (combine max), ``attn/p/entropy``
 (mean), ``attn/p/min_head_entropy`` (min over micro-batches), with
@@ -28,8 +32,9 @@ With a soft cap, also ``attn/p/max_logit_capped``:
 On the softmax path the logit includes any additive bias the model adds before the softmax (zero
 for ordinary masks); on the SDPA path an additive ``attn_mask`` enters the entropy, not max_logit.
 
-Limits: ``nn.MultiheadAttention`` in inference (eval, no gradient) is not measured — a mode would
-divert it from its fused path; ``nn.TransformerEncoderLayer`` refuses its own fused inference path
+Limits: ``nn.MultiheadAttention`` that may take its fused inference path (eval and no gradient
+needed, e.g. a frozen sub-module in a training forward) is not measured — a mode would divert it
+from its fused path; ``nn.TransformerEncoderLayer`` refuses its own fused inference path
 whenever a module hook is attached (any monitor hook, not only this probe's). Single-token HF
 decoding with GQA packs query heads into the query dim, so per-head values there are per kv head.
 """
@@ -44,7 +49,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention.scope import SDPA, SOFTMAXES, attach_scope
+from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
 from .attention_calls import Reader, read_mha, read_sdpa, read_softmax
 from .attention_measure import measure
 from .attention_stats import HeadStats, Sampling, uncap
@@ -99,22 +104,18 @@ class AttentionProbe(Probe):
         readers.update(dict.fromkeys(SOFTMAXES, read_softmax))
         functions = {fn: self._make_handler(reader) for fn, reader in readers.items()}
         every = ctx.config.attention_every
+        self.watch_forwards()
+        self._scopes: list[ScopeHandle] = []
+        for path, module in self.modules.items():
 
-        def sampled() -> bool:
-            return self.enabled and ctx.sampled(every)
-
-        mha = {p: m for p, m in self.modules.items() if isinstance(m, nn.MultiheadAttention)}
-        other = [p for p in self.modules if p not in mha]
-        self._scopes = [
-            attach_scope(ctx.model, other, functions, outer=False, on_exit=self._on_exit, enabled=sampled)
-        ]
-        for path, module in mha.items():
-
-            def sampled_mha(m: nn.Module = module) -> bool:
-                return sampled() and not _mha_fast_path_possible(m)
+            def sampled(m: nn.Module = module) -> bool:
+                """In the module's forward pre-hook: push the mode only in sampled training forwards."""
+                if not (self.enabled and ctx.sampled(every) and ctx.training_forward(m)):
+                    return False
+                return not (isinstance(m, nn.MultiheadAttention) and _mha_fast_path_possible(m))
 
             scope = attach_scope(
-                ctx.model, [path], functions, outer=False, on_exit=self._on_exit, enabled=sampled_mha
+                ctx.model, [path], functions, outer=False, on_exit=self._on_exit, enabled=sampled
             )
             self._scopes.append(scope)
 
@@ -159,7 +160,7 @@ class AttentionProbe(Probe):
             call = reader(args, kwargs)
             seen_capped = model_cap(module) if func in SOFTMAXES else None
             applied_cap = None if seen_capped else _number(getattr(module, INTERVENTION_CAP_ATTR, None))
-            stats = measure(call, sampling, applied_cap)
+            stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
             self._record(path, stats, seen_capped, applied_cap)
 
     def _record(

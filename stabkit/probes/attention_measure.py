@@ -1,5 +1,5 @@
 """Measure one attention call on a sample: entropy on a uniform sample, max |logit| on that sample
-plus the queries most likely to hold it.
+plus the queries most likely to hold it — in blocks, so the memory stays within a fixed budget.
 
 Runs inside the attention probe's handler on sampled steps, under ``no_grad``, float32, no host sync.
 
@@ -13,9 +13,14 @@ With sampling on (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`), a b
   is a max over a few (query, key) pairs, usually at large-norm queries, which a uniform row sample
   misses (on the tiny reference GPT trained on text, 4 of 16 rows give 55–80 % of the exact max;
   the candidates find it). On the eager softmax path the logits are already materialised, so the max
-  is taken over the whole tensor (in chunks of batch rows, bounded memory).
+  is taken over the whole tensor.
 
 Every value is a max over a subset of the allowed entries, so it never exceeds the exact max.
+
+Memory: every pass runs over blocks of (batch rows, heads, queries, keys) planned by
+`attention_blocks.plan` so that its temporaries stay within `budget` bytes
+(`MonitorConfig.attn_chunk_bytes`); the entropy of a query row is accumulated over its key blocks
+(`attention_stats.RowSums`). Nothing the size of the sample, let alone of the full logits, is made.
 """
 
 from __future__ import annotations
@@ -24,46 +29,28 @@ import math
 
 import torch
 
-from ..attention.math import attention_logits
-from .attention_calls import LogitsCall, QKCall, additive_allowed
-from .attention_stats import EXACT, HeadStats, Sampling, causal_allowed, head_stats, take
+from ..stats import norm_f32
+from .attention_blocks import QKBlocks, cost_logits, cost_qk, cost_scores, dims_of, plan, spans
+from .attention_calls import LogitsCall, QKCall
+from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input, take
 
-CHUNK_ELEMENTS = 1 << 22
-"""Largest temporary (elements) of the chunked full max on the softmax path (16 MiB in float32)."""
-SAMPLE_CHUNK_ELEMENTS = 1 << 15
-"""Logits materialised at once (in batch rows, at least one) when measuring q/k calls: the probe
-often runs near the end of the forward pass, where memory peaks, so its temporaries stay small."""
+CHUNK_ELEMENTS = (1 << 20) // 4
+"""Default budget of `measure`, in float32 elements (the default `MonitorConfig.attn_chunk_bytes`)."""
 
 
-def _row_chunks(n_rows: int, per_row: int) -> list[slice]:
-    """Consecutive slices of `n_rows` batch rows with about SAMPLE_CHUNK_ELEMENTS logits each."""
-    step = max(1, SAMPLE_CHUNK_ELEMENTS // max(per_row, 1))
-    return [slice(i, min(i + step, n_rows)) for i in range(0, n_rows, step)]
-
-
-def _merge(a: HeadStats | None, b: HeadStats) -> HeadStats:
-    """Per-head statistics of two disjoint sets of rows."""
-    if a is None:
-        return b
-    return HeadStats(torch.maximum(a.max_logit, b.max_logit), a.entropy_sum + b.entropy_sum, a.rows + b.rows)
-
-
-def measure(call: QKCall | LogitsCall, sampling: Sampling = EXACT, cap: float | None = None) -> HeadStats:
-    """Per-head statistics of one call on `sampling` (`cap`: soft cap on the logits, for the entropy)."""
+@torch.no_grad()
+def measure(
+    call: QKCall | LogitsCall,
+    sampling: Sampling = EXACT,
+    cap: float | None = None,
+    budget: int | None = None,
+) -> HeadStats:
+    """Per-head statistics of one call on `sampling` (`cap`: soft cap on the logits, for the
+    entropy), with temporaries within `budget` bytes (None: ``4 · CHUNK_ELEMENTS``)."""
+    budget = 4 * CHUNK_ELEMENTS if budget is None else budget
     if isinstance(call, LogitsCall):
-        return _measure_logits(call.x, sampling, cap)
-    return _measure_qk(call, sampling, cap)
-
-
-def logits_of(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """(b, H, l, S) float32 logits q·kᵀ·scale; kv heads repeated for GQA/MQA."""
-    return attention_logits(q.float(), k.float(), scale, enable_gqa=k.shape[1] != q.shape[1])
-
-
-def _and(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
-    if a is None:
-        return b
-    return a if b is None else a & b
+        return _measure_logits(call.x, sampling, cap, budget)
+    return _measure_qk(call, sampling, cap, budget)
 
 
 def candidates_per_row(sampling: Sampling, batch: int, n_queries: int) -> int:
@@ -75,89 +62,142 @@ def candidates_per_row(sampling: Sampling, batch: int, n_queries: int) -> int:
     return min(n_queries, math.ceil(rows * queries / batch))
 
 
-def _measure_qk(call: QKCall, sampling: Sampling, cap: float | None) -> HeadStats:
+def _measure_qk(call: QKCall, sampling: Sampling, cap: float | None, budget: int) -> HeadStats:
     q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
-    batch, n_q, n_k = max(q.shape[0], k.shape[0]), q.shape[2], k.shape[2]
+    batch, n_q = max(q.shape[0], k.shape[0]), q.shape[2]
     rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
-    q_s, k_s = take(q, rows, queries), take(k, rows, slice(None))  # (b, H, l, E), (b, Hkv, S, E)
-    allowed = None if call.allowed is None else take(call.allowed, rows, queries)
-    if call.causal:
-        allowed = _and(allowed, causal_allowed(queries, n_q, n_k, q.device))
-    bias = None if call.bias is None else take(call.bias, rows, queries).float()
-    n_rows = max(q_s.shape[0], k_s.shape[0])
-    stats: HeadStats | None = None
-    for part in _row_chunks(n_rows, q_s.shape[1] * q_s.shape[2] * n_k):
-        q_part, k_part = _rows(q_s, part), _rows(k_s, part)
-        assert q_part is not None and k_part is not None
-        logits = logits_of(q_part, k_part, call.scale)  # (c, H, l, S)
-        part_stats = head_stats(logits, _rows(allowed, part), _rows(bias, part), cap)
-        stats = _merge(stats, part_stats)
-    assert stats is not None
+    positions = torch.arange(n_q, device=q.device)[queries] if call.causal else None  # (l,)
+    blocks = QKBlocks(
+        q=take(q, rows, queries),  # (b, H, l, E) view
+        k=take(k, rows, slice(None)),  # (b, Hkv, S, E) view
+        scale=call.scale,
+        allowed=None if call.allowed is None else take(call.allowed, rows, queries),
+        bias=None if call.bias is None else take(call.bias, rows, queries),
+        positions=None if positions is None else positions.view(1, 1, -1),
+        host_positions=range(n_q)[queries] if call.causal else None,
+    )
+    stats = _sweep(blocks, cap, budget)
     per_row = candidates_per_row(sampling, batch, n_q)
     if per_row and q.shape[0] == k.shape[0]:
-        stats.max_logit = torch.maximum(stats.max_logit, candidate_max(call, per_row))
+        stats.max_logit = torch.maximum(stats.max_logit, candidate_max(call, per_row, budget))
     return stats
 
 
-def _rows(t: torch.Tensor | None, part: slice) -> torch.Tensor | None:
-    """Batch rows `part` of `t` (a size-1 batch dim broadcasts and stays whole)."""
-    if t is None or t.shape[0] == 1:
-        return t
-    return t[part]
-
-
-def candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
-    """(H,) max |logit| over the `per_row` queries of each (row, head) with the largest ‖q‖·reach,
-    where reach is the largest key norm the query may see (all keys; causal: keys up to it)."""
-    q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
-    batch, heads, n_q, dim = q.shape
-    n_k = k.shape[2]
-    score = torch.linalg.vector_norm(q, dim=-1, dtype=torch.float32)  # (B, H, L)
-    if call.causal:
-        k_norm = torch.linalg.vector_norm(k, dim=-1, dtype=torch.float32)  # (B, Hkv, S)
-        prefix = k_norm.cummax(dim=-1).values.index_select(
-            -1, torch.arange(n_q, device=q.device).clamp(max=n_k - 1)
-        )  # (B, Hkv, L): largest key norm query i sees
-        score = score * prefix.repeat_interleave(heads // k.shape[1], dim=1)
-    idx = score.topk(per_row, dim=-1).indices  # (B, H, m)
-    chosen = q.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))  # (B, H, m, E)
-    full = None if call.allowed is None else call.allowed.expand(batch, heads, n_q, n_k)
-    out: torch.Tensor | None = None
-    for part in _row_chunks(batch, heads * per_row * n_k):
-        logits = logits_of(chosen[part], k[part], call.scale)  # (c, H, m, S)
-        part_idx = idx[part].unsqueeze(-1)  # (c, H, m, 1)
-        allowed: torch.Tensor | None = None
-        if full is not None:
-            allowed = full[part].gather(2, part_idx.expand(-1, -1, -1, n_k))  # (c, H, m, S)
-        if call.causal:
-            allowed = _and(allowed, torch.arange(n_k, device=q.device) <= part_idx)
-        mag = logits.abs()
-        if allowed is not None:
-            mag = torch.where(allowed, mag, 0.0)
-        m = mag.amax(dim=(0, 2, 3))  # (H,)
-        out = m if out is None else torch.maximum(out, m)
-    assert out is not None
+def _sweep(blocks: QKBlocks, cap: float | None, budget: int, entropy: bool = True) -> HeadStats:
+    """Per-head statistics of a QKBlocks over all its keys: max |logit|, and (`entropy`) the row
+    entropies accumulated over key blocks."""
+    heads = blocks.q.shape[1]
+    out = HeadStats.zeros(heads, blocks.q.device)
+    dims = (blocks.rows, blocks.k.shape[1], blocks.q.shape[2], blocks.k.shape[2])
+    group, dim = blocks.group, blocks.q.shape[-1]
+    sizes = plan(dims, lambda *s: cost_qk(*s, group=group, dim=dim, state=entropy), budget)
+    row_spans, kv_spans, q_spans, k_spans = (spans(n, c) for n, c in zip(dims, sizes, strict=True))
+    causal_host = blocks.host_positions is not None
+    for rs in row_spans:
+        for kv in kv_spans:
+            hs = slice(kv.start * group, kv.stop * group)
+            tops = [out.max_logit[hs]]  # (h,) per block
+            for qs in q_spans:
+                sums = RowSums() if entropy else None  # the rows' softmax sums over the key blocks
+                for ks in k_spans:
+                    if causal_host and ks.start > blocks.last_query(qs):
+                        continue  # causal: every key of the block comes after every query of it
+                    logits = blocks.logits(rs, kv, qs, ks)  # (b, h, l, s) float32, own storage
+                    blocked = blocks.blocked(rs, hs, qs, ks)
+                    tops.append(masked_absmax(logits, blocked))
+                    if sums is not None:
+                        sums.add(softmax_input(logits, blocked, blocks.bias_block(rs, hs, qs, ks), cap))
+                    del logits, blocked
+                if sums is not None:
+                    row_entropy, valid = sums.entropy()  # (b, h, l)
+                    out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
+                    out.rows[hs] += valid.sum(dim=(0, 2))
+            out.max_logit[hs] = torch.stack(tops).amax(dim=0)
     return out
 
 
-def _measure_logits(x: torch.Tensor, sampling: Sampling, cap: float | None) -> HeadStats:
-    batch, _, n_q, _ = x.shape  # (B, H, L, S)
-    sample = take(x, sampling.row_slice(batch), sampling.query_slice(n_q))  # (b, H, l, S)
-    stats = head_stats(sample.float(), additive_allowed(sample), None, cap)
-    if candidates_per_row(sampling, batch, n_q):
-        stats.max_logit = torch.maximum(stats.max_logit, full_max(x))
-    return stats
+def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
+    """(H,) max |logit| over the `per_row` queries of each (row, head) with the largest ‖q‖·reach,
+    where reach is the largest key norm the query may see (all keys; causal: keys up to it).
+    Scored in blocks of (rows, kv heads) within `budget`."""
+    q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
+    batch, heads, n_q, dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    out = torch.zeros(heads, device=q.device)
+    sizes = plan(
+        (batch, kv_heads, 1, 1),
+        lambda b, kv, _l, _s: cost_scores(b, kv, group=group, n_q=n_q, n_k=n_k, per_row=per_row, dim=dim),
+        budget,
+    )
+    reach = torch.arange(n_q, device=q.device).clamp(max=n_k - 1)  # (L,) last key each query sees
+    for rs in spans(batch, sizes[0]):
+        for kv in spans(kv_heads, sizes[1]):
+            hs = slice(kv.start * group, kv.stop * group)
+            q_part, k_part = q[rs, hs], k[rs, kv]  # (b, h, L, E), (b, hkv, S, E) views
+            score = norm_f32(q_part, dim=-1)  # (b, h, L)
+            if call.causal:
+                prefix = norm_f32(k_part, dim=-1).cummax(dim=-1).values.index_select(-1, reach)  # (b, hkv, L)
+                score = score.view(score.shape[0], -1, group, n_q).mul_(prefix.unsqueeze(2)).flatten(1, 2)
+                del prefix
+            idx = score.topk(per_row, dim=-1).indices  # (b, h, m)
+            del score
+            chosen = q_part.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))  # (b, h, m, E)
+            allowed = None
+            if call.allowed is not None:
+                allowed = call.allowed[rs if call.allowed.shape[0] > 1 else slice(None)]
+                allowed = allowed[:, hs if allowed.shape[1] > 1 else slice(None)]
+            blocks = QKBlocks(
+                chosen, k_part, call.scale, allowed, None, idx if call.causal else None, gather=idx
+            )
+            top = _sweep(blocks, None, budget, entropy=False).max_logit
+            out[hs] = torch.maximum(out[hs], top)
+    return out
 
 
-def full_max(x: torch.Tensor) -> torch.Tensor:
-    """(H,) float32 max |x| over the unmasked entries (> finfo.min/2) of (B, H, L, S) `x`, in chunks
-    of batch rows so the temporaries stay under `CHUNK_ELEMENTS`."""
-    per_row = x[0].numel()
-    step = max(1, CHUNK_ELEMENTS // max(per_row, 1))
+def _measure_logits(x: torch.Tensor, sampling: Sampling, cap: float | None, budget: int) -> HeadStats:
+    """Eager path: statistics of a sample of the materialised (B, H, L, S) softmax input `x`."""
+    batch, heads, n_q, _ = x.shape
+    sample = take(x, sampling.row_slice(batch), sampling.query_slice(n_q))  # (b, H, l, S) view
     threshold = torch.finfo(x.dtype).min / 2
-    out: torch.Tensor | None = None
-    for chunk in x.split(step, dim=0):
-        m = torch.where(chunk <= threshold, 0, chunk.abs()).amax(dim=(0, 2, 3))  # (H,)
-        out = m if out is None else torch.maximum(out, m)
-    assert out is not None
-    return out.float()
+    out = HeadStats.zeros(heads, x.device)
+    dims = dims_of(sample)
+    sizes = plan(dims, lambda *s: cost_logits(*s, itemsize=x.element_size(), state=True), budget)
+    row_spans, h_spans, q_spans, k_spans = (spans(n, c) for n, c in zip(dims, sizes, strict=True))
+    for rs in row_spans:
+        for hs in h_spans:
+            for qs in q_spans:
+                sums = RowSums()
+                for ks in k_spans:
+                    part = sample[rs, hs, qs, ks]  # (b, h, l, s) view
+                    blocked = part <= threshold  # masked by an additive finfo.min/-inf
+                    logits = part.to(torch.float32, copy=True)
+                    out.max_logit[hs] = torch.maximum(out.max_logit[hs], masked_absmax(logits, blocked))
+                    sums.add(softmax_input(logits, blocked, None, cap))
+                    del part, blocked, logits
+                row_entropy, valid = sums.entropy()
+                out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
+                out.rows[hs] += valid.sum(dim=(0, 2))
+    if candidates_per_row(sampling, batch, n_q):
+        out.max_logit = torch.maximum(out.max_logit, full_max(x, budget))
+    return out
+
+
+def full_max(x: torch.Tensor, budget: int | None = None) -> torch.Tensor:
+    """(H,) float32 max |x| over the unmasked entries (> finfo.min/2) of (B, H, L, S) `x`, in blocks
+    whose temporaries stay within `budget` bytes (None: ``4 · CHUNK_ELEMENTS``)."""
+    budget = 4 * CHUNK_ELEMENTS if budget is None else budget
+    dims = dims_of(x)
+    sizes = plan(dims, lambda *s: cost_logits(*s, itemsize=x.element_size(), state=False), budget)
+    threshold = torch.finfo(x.dtype).min / 2
+    out = torch.zeros(x.shape[1], device=x.device)
+    row_spans, h_spans, q_spans, k_spans = (spans(n, c) for n, c in zip(dims, sizes, strict=True))
+    for rs in row_spans:
+        for hs in h_spans:
+            for qs in q_spans:
+                for ks in k_spans:
+                    part = x[rs, hs, qs, ks]
+                    mag = fill_(part.abs(), part <= threshold, 0.0)
+                    out[hs] = torch.maximum(out[hs], mag.amax(dim=(0, 2, 3)).float())
+                    del mag
+    return out

@@ -1,4 +1,5 @@
-"""Attention-logit statistics on materialised logits: max |logit|, entropy per head, row/query sampling.
+"""Attention-logit statistics, one block of logits at a time: max |logit|, and the entropy of each
+query row by an online log-sum-exp over its key blocks; row/query sampling.
 
 Runs inside the attention probe's handler, i.e. inside the attention module's forward on sampled
 steps, under ``torch.no_grad()`` in float32. Everything stays on the device (no host sync).
@@ -11,6 +12,12 @@ Definitions (one attention call, on the measured rows and query positions):
   (``p = softmax(logit + additive bias)``; with a soft cap, of the capped logits); query rows with no
   allowed key are left out;
 - ``entropy`` of a head: the mean over its measured query rows.
+
+With ``z`` the softmax input of a row and ``m`` a reference (its running max), the entropy is
+``log Σe − Σ e·(z − m) / Σe`` with ``e = exp(z − m)``; `RowSums` keeps ``Σe`` and ``Σ e·(z − m)``
+per row and rescales both when a later key block raises the max, so the keys can come in blocks
+of any size and the result equals the one-block computation to float rounding. Shifted logits are
+clamped at −80, as in a one-block computation: keys that far below the max weigh < 1e-34.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+CLAMP = -80.0
+"""Lowest shifted logit ``z − max`` that enters the sums (exp stays a normal float32)."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +69,6 @@ def take(t: torch.Tensor, rows: slice, queries: slice) -> torch.Tensor:
     return t[r, :, q]
 
 
-def causal_allowed(positions: slice, n_queries: int, n_keys: int, device: torch.device) -> torch.Tensor:
-    """(1, 1, l, S) bool: True where the query at its original position i may see key j (j <= i, top-left)."""
-    q_idx = torch.arange(n_queries, device=device)[positions]  # (l,)
-    k_idx = torch.arange(n_keys, device=device)  # (S,)
-    return (k_idx[None, :] <= q_idx[:, None])[None, None]
-
-
 @dataclass
 class HeadStats:
     """Per-head sums of one attention call (device tensors, float32)."""
@@ -76,6 +79,11 @@ class HeadStats:
     """(H,) sum of the entropies of the measured query rows of each head."""
     rows: torch.Tensor
     """(H,) number of measured query rows (with at least one allowed key) of each head."""
+
+    @classmethod
+    def zeros(cls, heads: int, device: torch.device) -> HeadStats:
+        """Nothing measured yet (max 0: |logit| >= 0, and a head without allowed entries reads 0)."""
+        return cls(*(torch.zeros(heads, device=device) for _ in range(3)))
 
     def entropy(self) -> torch.Tensor:
         """0-d mean entropy over all heads' measured rows."""
@@ -92,37 +100,71 @@ class HeadStats:
         return torch.where(torch.isinf(low) & (low > 0), torch.zeros_like(low), low)
 
 
-def head_stats(
-    logits: torch.Tensor,
-    allowed: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    cap: float | None = None,
-) -> HeadStats:
-    """Statistics of logits (B, H, L, S) float32.
+def fill_(t: torch.Tensor, blocked: torch.Tensor, value: float) -> torch.Tensor:
+    """In place: `value` at the `blocked` entries of `t` (broadcast); faster than masked_fill_ on a CPU.
+    The 0-d fill is made on the device (``new_full``: no host-to-device copy, no sync)."""
+    return torch.where(blocked, t.new_full((), value), t, out=t)
 
-    `allowed`: bool, broadcastable to the logits, True where the mask lets a query see a key (None = all).
-    `bias`: additive float term of the softmax input (e.g. an additive mask), broadcastable; it enters
-    the entropy, not `max_logit`. `cap`: soft cap ``cap·tanh(x/cap)`` applied to the logits before the
-    softmax (entropy only: `max_logit` is the raw value).
-    """
-    mag = logits.abs()  # (B, H, L, S)
-    if allowed is not None:
-        mag = torch.where(allowed, mag, 0.0)  # NaN at allowed entries propagates
-    z = logits if cap is None else cap * torch.tanh(logits / cap)
+
+def masked_absmax(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.Tensor:
+    """(h,) max |logit| over the allowed entries of a (b, h, l, s) block, per head (NaN propagates).
+
+    Writes 0 into `logits` at blocked entries (the block is the caller's own temporary)."""
+    if blocked is not None:
+        fill_(logits, blocked, 0.0)
+    return torch.maximum(logits.amax(dim=(0, 2, 3)), -logits.amin(dim=(0, 2, 3)))
+
+
+def softmax_input(
+    logits: torch.Tensor, blocked: torch.Tensor | None, bias: torch.Tensor | None, cap: float | None
+) -> torch.Tensor:
+    """In place: ``cap·tanh(logits/cap) + bias``, −inf at blocked entries; returns `logits`."""
+    if cap is not None:
+        logits.div_(cap).tanh_().mul_(cap)
     if bias is not None:
-        z = z + bias
-    if allowed is not None:
-        z = torch.where(allowed, z, -torch.inf)
-    top = z.amax(dim=-1, keepdim=True)  # (B, H, L, 1); -inf: the row has no allowed key
-    valid = top.squeeze(-1) != -torch.inf  # (B, H, L); NaN rows count (and propagate)
-    # shifted logits clamped at -80: exp stays normal (fast); keys that far below the max weigh < 1e-34
-    shifted = (z - top).clamp_min(-80.0)
-    e = torch.exp(shifted)
-    total = e.sum(dim=-1)  # (B, H, L), >= 1 on valid rows
-    # entropy = log Σe − Σ e·shifted / Σe   (e = exp(z − max))
-    row_entropy = torch.where(valid, total.log() - (e * shifted).sum(dim=-1) / total, 0.0)
-    head_max = mag.amax(dim=(0, 2, 3))  # (H,)
-    return HeadStats(head_max, row_entropy.sum(dim=(0, 2)), valid.sum(dim=(0, 2)).float())
+        logits.add_(bias)
+    if blocked is not None:
+        fill_(logits, blocked, -torch.inf)
+    return logits
+
+
+class RowSums:
+    """Running softmax sums of a block of query rows, (b, h, l), over the key blocks added so far."""
+
+    def __init__(self) -> None:
+        self.top: torch.Tensor | None = None
+        """(b, h, l) running max of the softmax input (−inf: no allowed key yet; NaN propagates)."""
+        self.total = torch.zeros(())
+        """Σ exp(z − ref), ref = top where finite, else 0."""
+        self.moment = torch.zeros(())
+        """Σ exp(z − ref)·(z − ref)."""
+
+    def add(self, z: torch.Tensor) -> None:
+        """Add a (b, h, l, s) block of softmax inputs (−inf at masked keys); `z` is overwritten."""
+        block_top = z.amax(dim=-1)
+        top = block_top if self.top is None else torch.maximum(self.top, block_top)
+        ref = torch.where(top == -torch.inf, 0.0, top)  # a finite reference for rows with no key yet
+        shifted = z.sub_(ref.unsqueeze(-1)).clamp_min_(CLAMP)
+        e = torch.exp(shifted)
+        total = e.sum(dim=-1)
+        moment = e.mul_(shifted).sum(dim=-1)
+        if self.top is None:
+            self.top, self.total, self.moment = top, total, moment
+            return
+        # the sums so far, moved from the old reference to the new one (delta <= 0):
+        # Σ e^(z − ref) = scale·Σ e^(z − old), Σ e^(z − ref)(z − ref) = scale·(Σ e^(z − old)(z − old) + delta·Σ e^(z − old))
+        delta = (self.top - ref).clamp_min(CLAMP)
+        scale = torch.exp(delta)
+        self.moment = scale * (self.moment + delta * self.total) + moment
+        self.total = scale * self.total + total
+        self.top = top
+
+    def entropy(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """((b, h, l) entropy of each row, 0 where no key was allowed; (b, h, l) bool: row counted)."""
+        assert self.top is not None, "RowSums.entropy before any key block"
+        valid = self.top != -torch.inf  # NaN rows count (and propagate)
+        value = self.total.log() - self.moment / self.total
+        return torch.where(valid, value, 0.0), valid
 
 
 def uncap(capped_max: torch.Tensor, cap: float) -> torch.Tensor:

@@ -1,7 +1,14 @@
-"""What every probe shares: the context it is attached with, and warn-once-then-disable on failure.
+"""What every probe shares: the context it is attached with, which forwards count as training, and
+warn-once-then-disable on failure.
 
 A probe registers hooks at `attach` (once) and removes them at `detach`. Its hooks run during the
 user's forward/backward/optimizer step and only add device tensors to the Recorder.
+
+Only *training forwards* enter the statistics (`ProbeContext.training_forward`, see `forwards`): a
+forward that starts in training mode with gradients enabled. Validation forwards (``model.eval()``,
+``torch.no_grad()``), ``generate()`` and any other forward under ``no_grad`` between steps are left
+out (not logged at all), and so is the recomputation that activation checkpointing runs during
+backward (its forward hooks fire a second time).
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ from ..config import ModuleSelection, MonitorConfig
 from ..discovery import ModelMap
 from ..discovery.trace import tracing
 from ..stats import Recorder
+from .forwards import TrainingForwards
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -42,11 +50,24 @@ class ProbeContext:
     """The index of the step in progress (completed `Monitor.step` calls so far)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Shared scratch space between probes (e.g. kept inputs for replay)."""
+    forwards: TrainingForwards = field(init=False)
+    """Which forward in progress is a training forward (hooks on the model and on the ancestors of
+    its blocks and attention modules, installed while a probe uses them)."""
+
+    def __post_init__(self) -> None:
+        mm = self.model_map
+        self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths])
 
     def sampled(self, every: int | None = None) -> bool:
         """True when the step in progress is one on which per-layer statistics are taken (never
         during discovery's traced forward)."""
         return self.step() % (every or self.config.every) == 0 and not tracing()
+
+    def training_forward(self, module: nn.Module) -> bool:
+        """In a forward (pre-)hook of `module`, outside `guarded` (which turns gradients off): True
+        when the forward in progress is a training forward (see `TrainingForwards`); False for
+        evaluation, generation, no-grad forwards and activation-checkpoint recomputation."""
+        return self.forwards.training(module)
 
 
 class Probe:
@@ -58,10 +79,19 @@ class Probe:
         self.handles: list[RemovableHandle] = []
         self.enabled = True
         self.ctx: ProbeContext | None = None
+        self._watching = False
 
     def attach(self, ctx: ProbeContext) -> None:
         """Register hooks. Called once by the Monitor."""
         self.ctx = ctx
+
+    def watch_forwards(self) -> None:
+        """At attach, for probes with forward hooks: install the root hooks behind
+        `ProbeContext.training_forward` (released at `detach`)."""
+        assert self.ctx is not None
+        if not self._watching:
+            self.ctx.forwards.acquire()
+            self._watching = True
 
     def end_step(self) -> None:
         """Called by the Monitor at `Monitor.step`, before the step's statistics are committed."""
@@ -71,6 +101,9 @@ class Probe:
         for h in self.handles:
             h.remove()
         self.handles = []
+        if self._watching and self.ctx is not None:
+            self.ctx.forwards.release()
+            self._watching = False
 
     def fail(self, where: str, exc: BaseException) -> None:
         """Warn once and disable this probe; with strict=True, raise instead."""
@@ -127,7 +160,10 @@ def select_modules(model: nn.Module, selection: ModuleSelection, default: list[s
     if selection is None:
         return [p for p in default if p]
     if isinstance(selection, str):
-        return [n for n in names if fnmatch.fnmatchcase(n, selection)]
+        chosen = [n for n in names if fnmatch.fnmatchcase(n, selection)]
+        if not chosen:
+            raise ValueError(f"MonitorConfig.modules={selection!r} matches no module of the model")
+        return chosen
     if callable(selection):
         mods = dict(model.named_modules())
         return [n for n in names if selection(n, mods[n])]

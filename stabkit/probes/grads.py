@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from ..distributed import SINGLE, DistContext, local
-from ..stats import l2_of_norms
+from ..stats import foreach_norm_f32, l2_of_norms
 from .base import Probe, ProbeContext, guarded
 from .updates import closed_form_supported, update_norms
 
@@ -133,7 +133,7 @@ class GradProbe(Probe):
             self._setup(ctx)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
         grads = [local(self.params[i].grad.detach()) for i in present]  # type: ignore[union-attr]
-        norms = torch._foreach_norm(grads, 2, dtype=torch.float32) if grads else []
+        norms = foreach_norm_f32(grads) if grads else []
         for i, n in zip(present, self._scaled(present, norms), strict=True):
             self._grad_norms[i] = n
 
@@ -158,7 +158,7 @@ class GradProbe(Probe):
         if sampled and (self.want_param or self.want_update):
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
             tensors = [local(self.params[i].detach()) for i in with_grad]
-            norms = torch._foreach_norm(tensors, 2, dtype=torch.float32) if tensors else []
+            norms = foreach_norm_f32(tensors) if tensors else []
             norms = self._scaled(with_grad, norms)
             if self.want_param:
                 for u, unit in enumerate(self.unit_names):
@@ -214,7 +214,7 @@ class GradProbe(Probe):
         else:
             snap, self._snapshot = self._snapshot, None
             torch._foreach_sub_(snap, [local(p.detach()) for p in current])  # snap := θ_old − θ_new
-            deltas = list(torch._foreach_norm(snap, 2, dtype=torch.float32))
+            deltas = foreach_norm_f32(snap)
             del snap
         deltas = self._scaled(idx, deltas)
         for u, unit in enumerate(self.unit_names):

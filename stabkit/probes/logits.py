@@ -1,8 +1,9 @@
 """Output-logit probe: max |logit| and log Z (mean, max) of the model's final logits.
 
 A forward hook where discovery found the final logits (`ModelMap.logits`: the output head, or the
-model's own output when it scales or caps after the head), on sampled steps. log Z = logsumexp
-over the vocabulary; its drift is the output-logit divergence of Wortsman et al. 2023.
+model's own output when it scales or caps after the head), on sampled steps, in training forwards
+only (`ProbeContext.training_forward`). log Z = logsumexp over the vocabulary; its drift is the
+output-logit divergence of Wortsman et al. 2023.
 """
 
 from __future__ import annotations
@@ -27,19 +28,23 @@ class LogitProbe(Probe):
             return
         self.where = where
         module = ctx.model.get_submodule(where.path)
+        self.watch_forwards()
         self.handles.append(module.register_forward_hook(self._hook))
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
+        ctx = self.ctx
+        assert ctx is not None
+        if not (self.enabled and ctx.sampled() and ctx.training_forward(module)):
+            return
         logits = self.where.take(output)
         if logits is not None:
             self._measure(logits)
 
     @guarded
     def _measure(self, output: Any) -> None:
+        """Forward hook body (after the module that yields the final logits, sampled training forwards)."""
         ctx = self.ctx
         assert ctx is not None
-        if not ctx.sampled():
-            return
         max_abs, logz_mean, logz_max = logit_stats(first_tensor(output))
         rec = ctx.recorder
         rec.add("logits/max_abs", max_abs, combine="max", reduction="max")

@@ -1,6 +1,15 @@
 """Statistics plumbing: fused device reductions and the per-interval host copy."""
 
 from .recorder import Combine, Recorder, Reduction
-from .reductions import l2_of_norms, logit_stats, tensor_stats
+from .reductions import foreach_norm_f32, l2_of_norms, logit_stats, norm_f32, tensor_stats
 
-__all__ = ["Combine", "Recorder", "Reduction", "l2_of_norms", "logit_stats", "tensor_stats"]
+__all__ = [
+    "Combine",
+    "Recorder",
+    "Reduction",
+    "foreach_norm_f32",
+    "l2_of_norms",
+    "logit_stats",
+    "norm_f32",
+    "tensor_stats",
+]

@@ -11,6 +11,34 @@ LOGZ_CHUNKS = 64
 logits' size (the logits themselves are resident anyway), with few kernel launches."""
 
 
+def norm_f32(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """L2 norm of `x` (over `dim`, or all of it) as float32, accumulated without a float copy of `x`.
+
+    Half, bfloat16 and float32 inputs accumulate in float32 (``dtype=``); wider ones (float64), which
+    torch refuses to narrow inside the norm, in their own precision, then the result is cast."""
+    if x.dtype.itemsize > 4:
+        return torch.linalg.vector_norm(x, dim=dim).float()
+    return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float32)
+
+
+def foreach_norm_f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Per-tensor L2 norms as float32 0-d tensors: one fused ``_foreach_norm`` for the tensors of
+    at most 32 bits (accumulated in float32) and one for wider ones (float64: normed in float64,
+    then cast; torch refuses ``dtype=float32`` for them)."""
+    wide = [t.dtype.itemsize > 4 for t in tensors]
+    if not any(wide):
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32)) if tensors else []
+    narrow_idx = [i for i, w in enumerate(wide) if not w]
+    wide_idx = [i for i, w in enumerate(wide) if w]
+    out: dict[int, torch.Tensor] = {}
+    if narrow_idx:
+        norms = torch._foreach_norm([tensors[i] for i in narrow_idx], 2, dtype=torch.float32)
+        out.update(zip(narrow_idx, norms, strict=True))
+    norms = torch._foreach_norm([tensors[i] for i in wide_idx], 2)
+    out.update((i, n.float()) for i, n in zip(wide_idx, norms, strict=True))
+    return [out[i] for i in range(len(tensors))]
+
+
 def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rms, abs-max, non-finite count) of `x`, as float32 0-d device tensors.
 
@@ -27,7 +55,7 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
         return zero, zero, zero
     if not x.is_floating_point():
         x = x.float()
-    rms = torch.linalg.vector_norm(x, dtype=torch.float32) / math.sqrt(x.numel())
+    rms = norm_f32(x) / math.sqrt(x.numel())
     lo, hi = torch.aminmax(x)
     absmax = torch.maximum(hi, -lo).float()
     # sync point: reads host memory only (CPU tensors), never a device

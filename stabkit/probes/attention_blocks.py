@@ -1,0 +1,172 @@
+"""Blocks of attention logits that fit a memory budget: the plan, and one block's logits and mask.
+
+Used by `attention_measure` inside the attention probe's handler (sampled steps, ``no_grad``).
+A block is (batch rows, kv heads — with all the query heads that share them —, queries, keys);
+`plan` halves the rows, then the kv heads, then the larger of queries and keys, until the block's
+estimated temporaries (`cost_qk`, `cost_logits`, `cost_scores`, bytes) fit the budget
+(`MonitorConfig.attn_chunk_bytes`). A budget below the smallest block (one row, one kv head, one
+query, one key) is exceeded by that block: the plan never stops the measurement.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+Dims = tuple[int, int, int, int]
+"""(batch rows, kv heads (or heads), queries, keys) of a block or of the whole sweep."""
+
+LOGIT_BYTES = 10
+"""Live bytes per logit of a block: the float32 logits, their exponentials, the bool mask and its
+combination (bool) — the block's other work is done in place."""
+ROW_BYTES = 48
+"""Live bytes per query row of the online entropy (`RowSums`: three sums and their updates)."""
+
+
+def cost_qk(b: int, kv: int, n_q: int, n_k: int, *, group: int, dim: int, state: bool) -> int:
+    """Bytes a q/k block may hold: logits, the float32 copies of its queries and keys (a cast, or
+    matmul flattening strided batch dims), and (`state`) the running sums of its query rows."""
+    heads = kv * group
+    rows = b * heads * n_q
+    out = LOGIT_BYTES * rows * n_k + 4 * rows * dim + 4 * b * kv * n_k * dim
+    return out + (ROW_BYTES * rows if state else 0)
+
+
+def cost_logits(b: int, h: int, n_q: int, n_k: int, *, itemsize: int, state: bool) -> int:
+    """Bytes a block of materialised logits (eager softmax input) may hold: its float32 copy, the
+    exponentials and masks (`state`), or its magnitude and mask (max only)."""
+    n = b * h * n_q * n_k
+    if not state:
+        return (itemsize + 2) * n
+    return LOGIT_BYTES * n + ROW_BYTES * b * h * n_q
+
+
+def cost_scores(b: int, kv: int, *, group: int, n_q: int, n_k: int, per_row: int, dim: int) -> int:
+    """Bytes of scoring max candidates for `b` rows × `kv` kv heads: query norms and their scores,
+    key norms with their prefix max (values and int64 indices), the top-k and the chosen queries."""
+    heads = kv * group
+    return b * (12 * heads * n_q + 24 * kv * n_k + 8 * kv * n_q + heads * per_row * (16 + 4 * dim))
+
+
+def plan(dims: Dims, cost: Callable[[int, int, int, int], int], budget: int) -> Dims:
+    """Block sizes (each between 1 and its dim) whose `cost` fits `budget` bytes: halve the rows,
+    then the kv heads, then the larger of queries and keys (ties: queries), while it does not fit."""
+    sizes = list(dims)
+    while cost(*sizes) > budget:
+        b, kv, n_q, n_k = sizes
+        if b > 1:
+            i = 0
+        elif kv > 1:
+            i = 1
+        elif n_q > 1 and n_q >= n_k:
+            i = 2
+        elif n_k > 1:
+            i = 3
+        elif n_q > 1:
+            i = 2
+        else:
+            break
+        sizes[i] = -(-sizes[i] // 2)
+    return sizes[0], sizes[1], sizes[2], sizes[3]
+
+
+def dims_of(t: torch.Tensor) -> Dims:
+    """The four dims of a 4-d tensor, typed as `Dims`."""
+    b, h, n_q, n_k = t.shape
+    return b, h, n_q, n_k
+
+
+def spans(n: int, size: int) -> list[slice]:
+    """Consecutive slices of `size` (the last one shorter) covering range(n)."""
+    return [slice(i, min(i + size, n)) for i in range(0, n, max(1, size))]
+
+
+def _rows(t: torch.Tensor, part: slice) -> torch.Tensor:
+    """Batch rows `part` of `t` (a size-1 batch dim broadcasts and stays whole)."""
+    return t if t.shape[0] == 1 else t[part]
+
+
+def _heads(t: torch.Tensor, part: slice) -> torch.Tensor:
+    """Heads `part` of a 4-d `t` (a size-1 head dim broadcasts and stays whole)."""
+    return t if t.shape[1] == 1 else t[:, part]
+
+
+@dataclass
+class QKBlocks:
+    """Queries, keys and masks of one sweep (views); hands out one block's logits and mask."""
+
+    q: torch.Tensor
+    """(b, H, l, E) the queries measured (any dtype)."""
+    k: torch.Tensor
+    """(b, Hkv, S, E) keys; Hkv divides H (query head h uses kv head h // (H / Hkv))."""
+    scale: float | None
+    """Logit scale (None = 1/sqrt(E))."""
+    allowed: torch.Tensor | None
+    """bool, 4-d, broadcastable: True where a query may see a key; its query dim is that of `q`,
+    or (with `gather`) the call's full query dim."""
+    bias: torch.Tensor | None
+    """Additive term of the softmax input, broadcastable to (b, H, l, S)."""
+    positions: torch.Tensor | None
+    """Causal (top-left): each measured query's position, 3-d broadcastable to (b, H, l)."""
+    gather: torch.Tensor | None = None
+    """(b, H, l) positions of the queries in `allowed`'s query dim (the max candidates)."""
+    host_positions: range | None = None
+    """Causal, with the same positions for every row and head (the uniform sample): them, on the
+    host, so that blocks of keys all after their queries are skipped without a device sync."""
+
+    def last_query(self, qs: slice) -> int:
+        """The position of the last query in `qs` (needs `host_positions`)."""
+        assert self.host_positions is not None
+        return self.host_positions[qs][-1]
+
+    @property
+    def rows(self) -> int:
+        return max(self.q.shape[0], self.k.shape[0])
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head."""
+        return self.q.shape[1] // self.k.shape[1]
+
+    def logits(self, rs: slice, kv: slice, qs: slice, ks: slice) -> torch.Tensor:
+        """(b, h, l, s) float32 ``q·kᵀ·scale`` of a block of rows, kv heads (with their query
+        heads), queries and keys, in its own storage (the caller may write into it)."""
+        group = self.group
+        q = _rows(self.q, rs)[:, kv.start * group : kv.stop * group, qs]  # (b, h, l, E)
+        k = _rows(self.k, rs)[:, kv, ks]  # (b, hkv, s, E)
+        b, heads, n_q, dim = q.shape
+        scale = dim**-0.5 if self.scale is None else self.scale
+        flat = q.float().reshape(b, k.shape[1], group * n_q, dim)  # (b, hkv, g·l, E)
+        out = torch.matmul(flat, k.float().transpose(-1, -2))  # (b, hkv, g·l, s)
+        return out.mul_(scale).view(out.shape[0], heads, n_q, out.shape[-1])
+
+    def blocked(self, rs: slice, hs: slice, qs: slice, ks: slice) -> torch.Tensor | None:
+        """bool, broadcastable to the block: True where a query may NOT see a key (None: all may)."""
+        out: torch.Tensor | None = None
+        if self.allowed is not None:
+            a = _heads(_rows(self.allowed, rs), hs)
+            a = a[..., ks] if a.shape[3] > 1 else a
+            if a.shape[2] > 1 and self.gather is not None:
+                idx = _rows(self.gather, rs)[:, hs, qs]  # (b, h, l)
+                a = a.expand(idx.shape[0], idx.shape[1], -1, -1)
+                a = a.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, a.shape[3]))  # (b, h, l, s)
+            elif a.shape[2] > 1:
+                a = a[:, :, qs]
+            out = ~a
+        if self.positions is not None:
+            pos = _heads(_rows(self.positions.unsqueeze(-1), rs), hs)[:, :, qs]  # (b|1, h|1, l, 1)
+            keys = torch.arange(ks.start, ks.stop, device=pos.device)  # (s,)
+            late = keys > pos  # key after the query
+            out = late if out is None else out | late
+        return out
+
+    def bias_block(self, rs: slice, hs: slice, qs: slice, ks: slice) -> torch.Tensor | None:
+        """The additive bias of a block (float32, broadcastable), or None."""
+        if self.bias is None:
+            return None
+        t = _heads(_rows(self.bias, rs), hs)
+        t = t[:, :, qs] if t.shape[2] > 1 else t
+        t = t[..., ks] if t.shape[3] > 1 else t
+        return t.float()
