@@ -189,17 +189,13 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def first_tensor_in(value: Any) -> torch.Tensor | None:
-    """The first tensor of a module's output or arguments (tensors, tuples, dicts, HF ModelOutputs)."""
+    """The main tensor of a module's output or arguments: the tensor itself, the first tensor item of
+    a tuple/list, or the first tensor value of a dict / HF ModelOutput; None when there is none.
+    (The probes measure the same tensor: `stabkit.probes.first_tensor`.)"""
     if isinstance(value, torch.Tensor):
         return value
-    if isinstance(value, dict):  # ModelOutput is an OrderedDict
-        value = list(value.values())
-    if isinstance(value, list | tuple):
-        for v in value:
-            t = first_tensor_in(v)
-            if t is not None:
-                return t
-    return None
+    items = value.values() if isinstance(value, dict) else value if isinstance(value, list | tuple) else ()
+    return next((v for v in items if isinstance(v, torch.Tensor)), None)
 
 
 _EINSUM_TERM = re.compile(r"^\s*([\w.]+)\s*,\s*([\w.]+)\s*->\s*([\w.]+)\s*$")

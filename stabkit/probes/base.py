@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..config import ModuleSelection, MonitorConfig
 from ..discovery import ModelMap
-from ..discovery.trace import tracing
+from ..discovery.trace import first_tensor_in, tracing
 from ..stats import Recorder
 from .forwards import TrainingForwards
 
@@ -141,17 +141,10 @@ def guarded(method: F) -> F:
 def first_tensor(output: Any) -> torch.Tensor:
     """The main tensor of a module output: the tensor itself, the first tensor of a tuple/list, or
     the first tensor value of a dict / ModelOutput. Raises TypeError when there is none."""
-    if isinstance(output, torch.Tensor):
-        return output
-    if isinstance(output, tuple | list):
-        for item in output:
-            if isinstance(item, torch.Tensor):
-                return item
-    if isinstance(output, dict):
-        for item in output.values():
-            if isinstance(item, torch.Tensor):
-                return item
-    raise TypeError(f"module output of type {type(output).__name__} holds no tensor stabkit can read")
+    tensor = first_tensor_in(output)
+    if tensor is None:
+        raise TypeError(f"module output of type {type(output).__name__} holds no tensor stabkit can read")
+    return tensor
 
 
 def select_modules(model: nn.Module, selection: ModuleSelection, default: list[str]) -> list[str]:
