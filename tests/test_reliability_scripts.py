@@ -118,12 +118,13 @@ def test_adam_with_decoupled_weight_decay_update_ratio() -> None:
     mon.detach()
 
 
-def test_fp16_scaler_with_a_nan_weight_is_reported_as_the_weight() -> None:
+def _fp16_step_with_a_nan_weight(detect: DetectConfig | None) -> stabkit.Monitor:
+    """One GradScaler step of a model whose blocks.1.mlp.fc weight holds a NaN."""
     torch.manual_seed(0)
     model = reference_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    mon = stabkit.attach(model, opt, scaler=scaler, config=stabkit.MonitorConfig(**QUIET))
+    mon = stabkit.attach(model, opt, scaler=scaler, config=stabkit.MonitorConfig(detect=detect, **QUIET))
     with torch.no_grad():
         model.blocks[1].mlp.fc.weight[0, 0] = float("nan")
     idx, tgt = batch(0)
@@ -132,6 +133,11 @@ def test_fp16_scaler_with_a_nan_weight_is_reported_as_the_weight() -> None:
     scaler.step(opt)
     scaler.update()
     mon.step(loss)
+    return mon
+
+
+def test_fp16_scaler_with_a_nan_weight_is_reported_as_the_weight() -> None:
+    mon = _fp16_step_with_a_nan_weight(DetectConfig())
     events = [e for e in mon.events if e.kind in ("nonfinite", "amp")]
     assert len(events) == 1 and events[0].kind == "nonfinite"
     assert events[0].where == "blocks.1.mlp.fc"  # the weight, not "the scaler doing its job"
@@ -140,19 +146,7 @@ def test_fp16_scaler_with_a_nan_weight_is_reported_as_the_weight() -> None:
 
 
 def test_fp16_scaler_with_a_nan_weight_and_no_detectors_still_names_it() -> None:
-    torch.manual_seed(0)
-    model = reference_gpt()
-    opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
-    mon = stabkit.attach(model, opt, scaler=scaler, config=stabkit.MonitorConfig(detect=None, **QUIET))
-    with torch.no_grad():
-        model.blocks[1].mlp.fc.weight[0, 0] = float("nan")
-    idx, tgt = batch(0)
-    loss = lm_loss(model(idx), tgt)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    mon.step(loss)
+    mon = _fp16_step_with_a_nan_weight(None)
     assert [(e.kind, e.where) for e in mon.events] == [("nonfinite", "blocks.1.mlp.fc")]
     assert "not because the loss scale is too high" in mon.events[0].message
     mon.detach()
