@@ -23,7 +23,7 @@ from .trace_map import logits_from_trace, map_from_trace
 _TRACE_ATTR = "_stabkit_trace_cache"
 
 
-def _sharded(model: nn.Module) -> bool:
+def _no_trace_possible(model: nn.Module) -> bool:
     """True when no forward should be traced: FSDP2-sharded parameters (a forward would run
     collectives) or a model on the meta device (no values to follow; HF mask code cannot run there)."""
     return any(
@@ -59,11 +59,11 @@ def traced_or_named(
         return copy.deepcopy(cached[1])
     reason = ""
     ex = as_example(example) if example is not None else None
-    if ex is None and not _sharded(model):
+    if ex is None and not _no_trace_possible(model):
         ex = synthesize_example(model)
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
-    elif _sharded(model):
+    elif _no_trace_possible(model):
         reason = "meta device or sharded parameters (no forward is traced there)"
     if ex is not None:
         try:
@@ -156,7 +156,7 @@ def _warn_unmonitored(mmap: ModelMap) -> None:
 def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
     """A map holding only the final logits, from a traced forward (None when none can run)."""
     ex = as_example(example) if example is not None else synthesize_example(model)
-    if ex is None or _sharded(model):
+    if ex is None or _no_trace_possible(model):
         return None
     try:
         return logits_from_trace(model, run_trace(model, *ex))
@@ -168,7 +168,7 @@ def needs_first_forward(model: nn.Module) -> bool:
     """True when discovery should wait for the model's first forward: no input can be made for it, or
     the input stabkit makes fits neither its forward nor a wrapped submodule's (e.g. an encoder-decoder
     taking two sequences). Sharded models use names instead. A map traced here is cached for `inspect`."""
-    if _sharded(model):
+    if _no_trace_possible(model):
         return False
     cached = _CACHE.get(model)
     if cached is not None and cached[0] == _signature(model):
