@@ -1,6 +1,6 @@
 """stabkit: keep large Transformer training runs from blowing up.
 
-Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`inspect`),
+Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`inspect_model`),
 and watch per-layer stability statistics in TensorBoard.
 
 `import stabkit` is light: the public names below (and the subpackages, e.g.
@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from .audit import audit
     from .config import MonitorConfig
     from .detectors import DetectConfig
-    from .discovery import DiscoveryError, ModelMap, inspect
+    from .discovery import DiscoveryError, ModelMap, inspect, inspect_model
     from .interventions import z_loss
     from .monitor import Monitor, attach
 else:
@@ -38,6 +38,7 @@ _LAZY = {
     "DiscoveryError": "discovery",
     "ModelMap": "discovery",
     "inspect": "discovery",
+    "inspect_model": "discovery",
     "z_loss": "interventions",
     "Monitor": "monitor",
     "attach": "monitor",
@@ -46,6 +47,7 @@ _LAZY = {
 
 _SUBMODULES = frozenset(
     {
+        "actions",
         "attention",
         "audit",
         "bench",
@@ -58,9 +60,11 @@ _SUBMODULES = frozenset(
         "events",
         "integrations",
         "interventions",
+        "hooks",
         "lifecycle",
         "models",
         "monitor",
+        "plugins",
         "probes",
         "recipes",
         "sinks",
@@ -100,5 +104,6 @@ __all__ = [
     "attach",
     "audit",
     "inspect",
+    "inspect_model",
     "z_loss",
 ]

@@ -1,6 +1,7 @@
 """`MonitorConfig`: what `stabkit.attach` measures, how often, and where it writes.
 
-Read once at `attach`; the monitor never changes it afterwards.
+Read once at `attach`; the monitor never changes it afterwards. A leaf: it imports only the other
+leaves (`stabkit.detect_config`, `stabkit.plugins`).
 """
 
 from __future__ import annotations
@@ -10,14 +11,17 @@ from dataclasses import dataclass, field
 
 from torch import nn
 
-from .detectors.config import DetectConfig
-from .sinks.rundir import LOG_MODES
+from .detect_config import DetectConfig
+from .plugins import PROBE_FAMILIES
 
 ModuleSelection = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
 FAMILIES = ("act", "attn", "logits", "grad", "param", "update", "loss")
 """Statistic families: activations, attention logits, output logits, gradients, parameter norms,
 update/parameter ratios, loss."""
+
+LOG_MODES = ("new", "append", "overwrite")
+"""What attach does with a logdir that already holds a run: a new ``run-<n>`` folder, add to it, or clear it."""
 
 DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update", "loss"})
 
@@ -101,11 +105,10 @@ class MonitorConfig:
         if self.detect is not None and not isinstance(self.detect, DetectConfig):
             raise ValueError("MonitorConfig.detect must be a stabkit.DetectConfig or None")
         self.families = frozenset(self.families)
-        unknown = sorted(self.families - set(FAMILIES))
+        known = [*FAMILIES, *sorted(PROBE_FAMILIES - set(FAMILIES))]
+        unknown = sorted(self.families - set(known))
         if unknown:
-            raise ValueError(
-                f"MonitorConfig.families has unknown name(s) {unknown}; allowed: {list(FAMILIES)}"
-            )
+            raise ValueError(f"MonitorConfig.families has unknown name(s) {unknown}; allowed: {known}")
         sel = self.modules
         if not (sel is None or isinstance(sel, str) or callable(sel)) and (
             not isinstance(sel, Sequence) or not all(isinstance(s, str) for s in sel)

@@ -1,4 +1,7 @@
-"""`stabkit.attach` and `Monitor`: the one place that wires discovery, probes, stats and sinks.
+"""`stabkit.attach` and `Monitor`: the one place that wires discovery, probes, detectors, actions,
+stats and sinks. Every hook on the user's model and optimizer is registered here, through the
+Monitor's `HookSet` (`stabkit.hooks`), in this order: the input guard, the probes (in
+`stabkit.plugins.PROBES` order), the detectors (step guard, tracer, optimizer hooks).
 
 Timeline of one training step with a monitor attached:
 1. forward: probes' forward hooks add device statistics (sampled steps only);
@@ -11,9 +14,10 @@ Timeline of one training step with a monitor attached:
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -23,42 +27,27 @@ from torch import nn
 
 from . import lifecycle
 from .config import MonitorConfig
-from .detectors.wiring import install as install_detectors
-from .discovery import ModelMap, inspect
+from .detect_config import DetectConfig
+from .detectors.wiring import DetectorSet, Wiring
+from .discovery import ModelMap, inspect_model
 from .discovery.discover import needs_first_forward, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
+from .hooks import HookSet
 from .interventions import Handle
 from .optimizers import OptimizerSet, as_optimizer
-from .probes import ActivationProbe, GradProbe, LogitProbe, Probe, ProbeContext
+from .plugins import PROBES
+from .probes import GradProbe, Probe, ProbeContext
 from .stats import Recorder
 
 InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str, Any]]
 """What `attach(..., interventions=...)` takes: names, (name, options) pairs, or {name: options}."""
 
-StepObserver = Callable[["Monitor", int, dict[str, torch.Tensor]], None]
-"""Called at `Monitor.step` with the committed device statistics of that step (detectors plug in here)."""
-DrainHook = Callable[["Monitor", list[tuple[int, dict[str, float]]]], None]
-"""Called at each log interval with the host rows (step, values), before the sinks write them; may edit them."""
 
 
-def _build_probes(config: MonitorConfig) -> list[Probe]:
-    fam = config.families
-    probes: list[Probe] = []
-    if "act" in fam:
-        probes.append(ActivationProbe())
-    if "logits" in fam:
-        probes.append(LogitProbe())
-    if fam & {"grad", "param", "update"}:
-        probes.append(GradProbe())
-    if "attn" in fam:
-        try:
-            from .probes.attention import AttentionProbe
-        except ImportError:  # the attention probe ships separately during development
-            pass
-        else:
-            probes.append(AttentionProbe())
-    return probes
+def build_probes(config: MonitorConfig) -> list[Probe]:
+    """One instance of every registered probe that serves a family in `config.families`, in order."""
+    return [cls() for cls in PROBES.classes() if set(cls.families) & config.families]
 
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
@@ -170,14 +159,13 @@ class Monitor:
         """(step, values) of the last `MonitorConfig.history` logged steps, oldest first."""
         self.events: list[Event] = []
         """Every event detectors reported, in order."""
-        self.observers: list[StepObserver] = []
-        self.drain_hooks: list[DrainHook] = [lambda _, rows: finish_ratios(rows)] if self.dist.sharded else []
+        self.hooks = HookSet()
+        """Every hook stabkit put on the model and optimizer (`describe_hooks()` lists them)."""
         self._step = 0
         self._detached = False
-        self._broken: Event | None = None
         self.probes: list[Probe] = []
-        self.detectors: Any = None
-        """The detectors and actions (`stabkit.detectors`), installed after the probes; None when off."""
+        self.detectors: DetectorSet | None = None
+        """The detectors and actions, installed after the probes; None when `MonitorConfig.detect` is None."""
         self.audit_report: Any = None
         self._input_guard: Any = None
         self._pending: list[Any] | None = None
@@ -190,7 +178,9 @@ class Monitor:
             # (on every module: a wrapper such as a LightningModule may never run its own forward)
             paths = {id(m): n for n, m in model.named_modules()}
             self._pending = [
-                m.register_forward_pre_hook(self._discover_on_first_forward, prepend=True, with_kwargs=True)
+                self.hooks.forward_pre(
+                    "discovery", m, self._discover_on_first_forward, prepend=True, with_kwargs=True
+                )
                 for m in model.modules()
             ]
             self._pending_paths = paths
@@ -205,7 +195,7 @@ class Monitor:
 
     @property
     def model_map(self) -> ModelMap:
-        """The roles discovery found (`stabkit.inspect`). Before the first forward, for a model that
+        """The roles discovery found (`stabkit.inspect_model`). Before the first forward, for a model that
         discovery waits for, raises RuntimeError."""
         if self._model_map is None:
             raise RuntimeError(
@@ -238,23 +228,27 @@ class Monitor:
         model = self.model
         self.interventions = self._apply_interventions(interventions, model_map, example)
         try:
-            self._model_map = inspect(model, model_map, example=example)
+            self._model_map = inspect_model(model, model_map, example=example)
         except BaseException:
             if self.interventions is not None:
                 self.interventions.remove()
             raise
         cfg = self.config
         self.context = ProbeContext(
-            model, self.model_map, self.optimizer, self.recorder, cfg, lambda: self._step
+            model, self.model_map, self.optimizer, self.recorder, cfg, lambda: self._step, hooks=self.hooks
         )
         self.context.extras["scaler"] = self.scaler
         self.context.extras["dist"] = self.dist
-        self.probes = _build_probes(cfg)
-        self._input_guard = model.register_forward_pre_hook(check_inputs, with_kwargs=True)
+        self.probes = build_probes(cfg)
+        self._input_guard = self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
                 probe.attach(self.context)
-            self.detectors = install_detectors(self, cfg.detect) if cfg.detect is not None else None
+            detect = cfg.detect
+            if detect is None and self.scaler is not None and self.scaler.is_enabled():
+                # the fp16 overflow report comes with attach(..., scaler=...), detectors or not
+                detect = DetectConfig(detectors=("amp",), nonfinite=False)
+            self.detectors = self.install_detectors(detect) if detect is not None else None
         except BaseException:
             self._remove_hooks()
             if self.interventions is not None:
@@ -264,6 +258,47 @@ class Monitor:
         if self.interventions is not None:
             self.sinks.write_text("stabkit/interventions", ", ".join(self.interventions.names))
         self.audit_report = self._run_audit() if cfg.audit else None
+
+    def install_detectors(self, config: DetectConfig | None = None) -> DetectorSet:
+        """Attach detectors and actions (after the probes; `attach` does it from `MonitorConfig.detect`).
+        Replaces detectors installed before."""
+        if self.detectors is not None:
+            self.detectors.remove()
+        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
+        scaled = self.scaler is not None and self.scaler.is_enabled()
+        wiring = Wiring(
+            model=self.model,
+            optimizer=self.optimizer,
+            model_map=self.model_map,
+            recorder=self.recorder,
+            hooks=self.hooks,
+            step=lambda: self._step,
+            report=self.report,
+            muted=self._muted,
+            logdir=lambda: self.logdir,
+            metrics=lambda: self.metrics,
+            device_type=self._device.type,
+            sampled_every=self.config.every,
+            scaled=scaled,
+            overflowed=lambda: grad is not None and grad.skipped,
+            distributed=self.dist.active,
+        )
+        self.detectors = DetectorSet(wiring, config or DetectConfig())
+        return self.detectors
+
+    @contextlib.contextmanager
+    def _muted(self) -> Iterator[None]:
+        """While active, the probes record into a throwaway Recorder (a replay's statistics go nowhere)."""
+        saved = self.context.recorder
+        self.context.recorder = Recorder()
+        try:
+            yield
+        finally:
+            self.context.recorder = saved
+
+    def describe_hooks(self) -> str:
+        """Every hook stabkit registered on the model and optimizer, in registration order."""
+        return "\n".join(self.hooks.describe())
 
     def _apply_interventions(
         self, specs: InterventionSpecs | None, model_map: Any = None, example: Any = None
@@ -275,7 +310,7 @@ class Monitor:
         from .interventions import apply_many
 
         if example is not None and model_map is None:
-            inspect(self.model, example=example)  # trace once now: the interventions reuse the map
+            inspect_model(self.model, example=example)  # trace once now: the interventions reuse the map
         handle = apply_many(self.model, specs, model_map)
         new = handle.new_parameters()
         if new and self.optimizer is not None:
@@ -342,85 +377,22 @@ class Monitor:
             self.optimizer.end_step()  # a post-step hook still due (an optimizer that did not step) runs now
         for probe in self.probes:
             probe.end_step()
-        self._amp_check()
         committed = self.recorder.commit(self._step)
         try:
-            for observer in self.observers:
-                observer(self, self._step, committed)
-            broken, self._broken = self._broken, None
-            if broken is not None and not any(
-                e.step == self._step and e.kind == "nonfinite" for e in self.events
-            ):
-                self.report(broken)
+            if self.detectors is not None and not self.detectors.removed:
+                self.detectors.on_step(self._step, committed)
         finally:  # an action may raise InstabilityError: the step still counts and logs still flush
             self._step += 1
             if self._step % self.config.log_every == 0:
                 self.flush()
 
-    def _amp_check(self) -> None:
-        """With a GradScaler: log the scale, and report a skipped (overflowed) step as `amp/overflow`."""
-        if self.scaler is None or not self.scaler.is_enabled():
-            return
-        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
-        skipped = grad is not None and grad.skipped
-        scale = self.scaler._scale
-        if scale is not None:
-            self.recorder.add("amp/scale", scale.clone())  # update() changes it in place
-        self.recorder.add("amp/overflow", torch.tensor(float(skipped)))
-        if skipped:
-            value = float(self.scaler.get_scale())  # sync point: only on the rare overflowed step
-            broken = self._nonfinite_state()
-            if broken is not None:  # reported after the detectors, unless they report it themselves
-                self._broken = broken
-                return
-            self.report(
-                Event(
-                    self._step,
-                    "amp",
-                    "amp/overflow",
-                    value,
-                    0.0,
-                    f"GradScaler skipped this step: inf/NaN in the scaled fp16 gradients (loss scale now {value:g}); "
-                    "this is the scaler doing its job, not a NaN in the model",
-                    "nothing if rare; if frequent, bf16 autocast or a lower LR",
-                )
-            )
-
-    def _nonfinite_state(self) -> Event | None:
-        """After a GradScaler overflow: an event when a parameter or optimizer state (not just a
-        scaled gradient) holds NaN/Inf — then every step overflows and the scale alone cannot help.
-        Syncs once, on overflowed steps only."""
-        tensors = [(n, p.detach()) for n, p in self.model.named_parameters()]
-        if self.optimizer is not None:
-            names = {id(p): n for n, p in self.model.named_parameters()}
-            for p, state in self.optimizer.state.items():
-                tensors += [
-                    (f"{names.get(id(p), '?')} (optimizer {k})", v)
-                    for k, v in state.items()
-                    if isinstance(v, torch.Tensor) and v.is_floating_point()
-                ]
-        for name, t in tensors:
-            if not bool(torch.isfinite(t).all()):  # sync point: overflowed steps only
-                where = name.rsplit(".", 1)[0] if "(" not in name else name
-                return Event(
-                    self._step,
-                    "nonfinite",
-                    where,
-                    float("nan"),
-                    0.0,
-                    f"{name} holds NaN/Inf: the GradScaler skips every step because the weights (or the "
-                    "optimizer state) are broken, not because the loss scale is too high",
-                    "roll back to a checkpoint from before the NaN (action 'rollback'), then lower the LR "
-                    "or switch on the fix the earlier events advised",
-                    {"pass": "optimizer" if "(optimizer" in name else "parameter", "tensor": name},
-                )
-        return None
-
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""
         rows = self.recorder.drain()
-        for hook in list(self.drain_hooks):
-            hook(self, rows)
+        if self.dist.sharded:
+            finish_ratios(rows)
+        if self.detectors is not None and not self.detectors.removed:
+            self.detectors.on_rows(rows)
         if rows:
             for _, values in rows:
                 self.metrics.update(values)
@@ -486,15 +458,12 @@ class Monitor:
                 )
 
     def _remove_hooks(self) -> None:
-        for handle in self._pending or []:
-            handle.remove()
         self._pending = None
-        if self._input_guard is not None:
-            self._input_guard.remove()
         if self.detectors is not None:
             self.detectors.remove()
         for probe in self.probes:
             probe.detach()
+        self.hooks.remove()  # everything else (input guard, discovery's first-forward hooks, integrations)
 
     def __enter__(self) -> Monitor:
         return self
@@ -521,7 +490,7 @@ def attach(
     """Attach stabkit to `model` (and `optimizer`, or a list of optimizers): hooks on, statistics to `logdir`.
 
     Call `Monitor.step(loss)` once per training step and `Monitor.detach()` at the end (or use
-    the monitor as a context manager). Discovery traces one forward (see `stabkit.inspect`): on
+    the monitor as a context manager). Discovery traces one forward (see `stabkit.inspect_model`): on
     `example` when given, else on a small input stabkit makes for token and image models, else on
     the first forward the model runs (the monitor then finishes attaching right before it).
     `model_map` overrides discovery (a ModelMap or a dict of hints). A `logdir` that already holds a

@@ -193,7 +193,7 @@ def test_exact_stats_match_materialised_reference(case: str, padded: bool) -> No
     torch.manual_seed(0)
     model = build()
     model.train()
-    paths = stabkit.inspect(model).attention_paths
+    paths = stabkit.inspect_model(model).attention_paths
     sharpen(model, paths, factor)
     idx, _ = zoo.batch(1, bsz=4)
     valid = padding(4, idx.shape[1]) if padded else None

@@ -111,7 +111,7 @@ def test_sampled_max_never_exceeds_exact_and_default_lands_within_ten_percent() 
     sampled.detach()
     exact.detach()
     assert len(sampled.history) == len(exact.history) == 4
-    paths = stabkit.inspect(model).attention_paths
+    paths = stabkit.inspect_model(model).attention_paths
     for (_, s_row), (_, e_row) in zip(sampled.history, exact.history, strict=True):
         for p in paths:
             s, e = s_row[f"attn/{p}/max_logit"], e_row[f"attn/{p}/max_logit"]
@@ -154,7 +154,7 @@ def test_micro_batches_combine_max_mean_and_min() -> None:
         return mon.metrics
 
     one, two, both = measure(a), measure(b), measure(a, b)
-    for p in stabkit.inspect(model).attention_paths:
+    for p in stabkit.inspect_model(model).attention_paths:
         name = f"attn/{p}/"
         assert both[name + "max_logit"] == max(one[name + "max_logit"], two[name + "max_logit"])
         assert both[name + "min_head_entropy"] == min(

@@ -22,7 +22,7 @@ def test_model_softcap_reports_raw_and_capped_max() -> None:
     torch.manual_seed(0)
     model = zoo.reference_gpt(attn_softcap=cap)
     model.train()
-    paths = stabkit.inspect(model).attention_paths
+    paths = stabkit.inspect_model(model).attention_paths
     captured: dict[str, QK] = {}
     for p in paths:
         model.get_submodule(p).register_forward_pre_hook(
@@ -65,7 +65,7 @@ def test_softcap_intervention_probe_sees_raw_logits(case: str, probe_first: bool
     torch.manual_seed(0)
     model = build()
     model.train()
-    paths = stabkit.inspect(model).attention_paths
+    paths = stabkit.inspect_model(model).attention_paths
     sharpen(model, paths, factor)
     idx, _ = zoo.batch(3)
     first = zoo.forward_logits(model, idx).detach()

@@ -8,7 +8,7 @@ from torch import nn
 from zoo import VOCAB, EncoderLM, NanoGPT, hf_gpt2, hf_llama, reference_gpt
 
 from stabkit.audit import Finding, Report, audit
-from stabkit.discovery import inspect
+from stabkit.discovery import inspect_model
 
 
 def only(report: Report, rule: str) -> Finding:

@@ -6,7 +6,7 @@ import pytest
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import ADVICE, DetectConfig, advise, describe_advice
+from stabkit.detectors import DetectConfig, DetectorContext, Judge, advice_table, describe_advice
 from stabkit.events import Event
 from stabkit.interventions import REGISTRY
 
@@ -34,7 +34,13 @@ def test_bad_values_are_refused_with_what_is_allowed(kwargs: dict, match: str) -
 
 def test_actions_are_normalised_and_decide_the_timing() -> None:
     cfg = DetectConfig(actions={"nonfinite": ["dump", "skip", "dump"]})
-    assert cfg.actions == {"nonfinite": ("dump", "skip"), "spike": ("warn",), "drift": ("warn",)}
+    assert cfg.actions == {
+        "nonfinite": ("dump", "skip"),
+        "spike": ("warn",),
+        "drift": ("warn",),
+        "amp": ("warn",),
+        "attn_entropy": ("warn",),
+    }
     assert cfg.needs_sync("nonfinite") and not cfg.needs_sync("spike")
     assert DetectConfig(sync=True).needs_sync("nonfinite")
     assert not DetectConfig().wants_rollback and DetectConfig(actions={"drift": "rollback"}).wants_rollback
@@ -43,10 +49,11 @@ def test_actions_are_normalised_and_decide_the_timing() -> None:
 
 
 def test_advice_uses_registry_names_and_lists_every_row() -> None:
-    named = {name for row in ADVICE.values() for name in row.interventions}
+    table = advice_table()
+    named = {name for row in table.values() for name in row.interventions}
     assert named == set(REGISTRY)  # every intervention is suggested somewhere, and only real ones
     text = describe_advice()
-    assert all(key in text for key in ADVICE) and len(text.splitlines()) == len(ADVICE) + 1
+    assert all(key in text for key in table) and len(text.splitlines()) == len(table) + 1
 
 
 @pytest.mark.parametrize(
@@ -78,7 +85,8 @@ def test_advice_uses_registry_names_and_lists_every_row() -> None:
 def test_advice_follows_the_signature(
     placement: str, kind: str, where: str, details: dict, expected: tuple
 ) -> None:
-    model_map = stabkit.inspect(reference_gpt(norm_placement=placement, n_layers=4))
-    event = advise(Event(3, kind, where, 1.0, 0.0, "m", details=dict(details)), model_map)
+    model_map = stabkit.inspect_model(reference_gpt(norm_placement=placement, n_layers=4))
+    judge = Judge(DetectorContext.from_model_map(model_map, DetectConfig()))
+    event = judge.advise(Event(3, kind, where, 1.0, 0.0, "m", details=dict(details)))
     assert tuple(event.details["interventions"]) == expected
     assert event.advice and all(name in event.advice for name in expected)

@@ -11,11 +11,12 @@ from test_detectors_helpers import text_batches
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectConfig, DriftDetector, install
+from stabkit.detectors import DetectConfig, DetectorContext, DriftDetector
 
 
 def detector(**overrides: object) -> DriftDetector:
-    return DriftDetector(DetectConfig(**overrides), stabkit.inspect(reference_gpt(vocab_size=256)))  # type: ignore[arg-type]
+    model_map = stabkit.inspect_model(reference_gpt(vocab_size=256))
+    return DriftDetector(DetectorContext.from_model_map(model_map, DetectConfig(**overrides)))  # type: ignore[arg-type]
 
 
 def test_attention_logit_growth_warns_before_divergence() -> None:
@@ -64,9 +65,9 @@ def test_residual_advice_follows_norm_placement() -> None:
     for placement, expected in (("pre", "residual_growth_pre"), ("post", "residual_growth_post")):
         model = reference_gpt(vocab_size=256, norm_placement=placement)
         mon = stabkit.attach(model, None, config=stabkit.MonitorConfig(console=False, detect=None))
-        handle = install(mon)
+        handle = mon.install_detectors()
         rows = [(s, {"act/blocks.1/rms": 1.0 * 1.02**s}) for s in range(0, 400, 2)]
-        handle.decider.on_rows(mon, rows)
+        handle.on_rows(rows)
         mon.detach()
         drifts = [e for e in mon.events if e.kind == "drift"]
         assert drifts and drifts[0].details["advice"] == expected
@@ -81,7 +82,7 @@ def run_tiny(lr: float, steps: int) -> stabkit.Monitor:
     mon = stabkit.attach(
         model, opt, config=stabkit.MonitorConfig(console=False, detect=None, every=5, log_every=50)
     )
-    install(mon)
+    mon.install_detectors()
     for x, y in text_batches(steps, 4, 16, seed=3):
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
         loss.backward()

@@ -21,8 +21,8 @@ from torch import nn
 from zoo import batch, forward_logits, hf_llama, lm_loss, reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectConfig, install
-from stabkit.detectors.tracer import floating_tensors
+from stabkit.detectors import DetectConfig
+from stabkit.stats.finite import floating_tensors
 
 TRIALS = 20
 VALUES = (float("nan"), float("inf"))
@@ -196,7 +196,7 @@ def rigs() -> dict[str, Rig]:
 def test_backward_replay_with_a_loss_closure_instead_of_a_kept_gradient() -> None:
     targets: dict[str, torch.Tensor] = {}
     rig = Rig(reference_gpt, loss_fn=lambda out, idx: lm_loss(out, targets["y"]))
-    assert rig.handle.guard is not None and not rig.handle.guard.keep_grad  # nothing output-sized is kept
+    assert rig.handle.watch is not None and not rig.handle.watch.guard.keep_grad  # nothing output-sized is kept
     rig.step()
     s = rig.mon.global_step
     targets["y"] = batch(s)[1]
@@ -235,7 +235,7 @@ def test_non_finite_inputs_and_loss_are_told_apart_from_the_model() -> None:
     model = hf_llama()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(console=False, detect=None))
-    install(mon, DetectConfig(actions={"nonfinite": "skip"}))
+    mon.install_detectors(DetectConfig(actions={"nonfinite": "skip"}))
     for step in range(3):
         x, y = batch(step)
         embeds = model.model.embed_tokens(x).detach()

@@ -13,7 +13,7 @@ from test_detectors_helpers import realistic_rows, text_batches
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectConfig, SpikeDetector, install
+from stabkit.detectors import DetectConfig, DetectorContext, SpikeDetector
 from stabkit.detectors.rolling import MAD_TO_SIGMA
 
 
@@ -24,7 +24,7 @@ def fill(det: SpikeDetector, name: str, values: list[float]) -> None:
 
 def judge(name: str, history: list[float], x: float, cfg: DetectConfig | None = None) -> stabkit.Event | None:
     """The verdict on `x` of a fresh detector that has seen `history`."""
-    det = SpikeDetector(cfg or DetectConfig())
+    det = SpikeDetector(DetectorContext(cfg or DetectConfig()))
     fill(det, name, history)
     return det.update(len(history), name, x)[0]
 
@@ -45,7 +45,7 @@ def test_sigma_rule_matches_hand_computation() -> None:
 
 
 def test_min_history_downward_and_nonfinite_values_do_not_spike() -> None:
-    det = SpikeDetector(DetectConfig(spike_min_history=10))
+    det = SpikeDetector(DetectorContext(DetectConfig(spike_min_history=10)))
     fill(det, "loss", [2.0] * 9)
     assert det.update(9, "loss", 100.0)[0] is None  # 9 values of history < 10
     det.update(10, "loss", 2.0)
@@ -67,7 +67,7 @@ def test_spike_score_matches_direct_computation() -> None:
     rng = np.random.default_rng(0)
     xs = 2.0 + 0.1 * rng.standard_normal(800)
     xs[[300, 301, 550, 700]] += [3.0, 2.0, 5.0, 0.9]
-    det = SpikeDetector(cfg)
+    det = SpikeDetector(DetectorContext(cfg))
     scores = [det.update(i, "loss", float(x))[1] for i, x in enumerate(xs)]
     flagged = scored = 0
     for i, x in enumerate(xs):
@@ -86,7 +86,7 @@ def test_loss_times_ten_is_a_spike_at_that_step() -> None:
     model = reference_gpt(vocab_size=256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(console=False, detect=None, log_every=25))
-    install(mon)
+    mon.install_detectors()
     spike_at = 90
     for step, (x, y) in enumerate(text_batches(100, 4, 16, seed=1)):
         logits = model(x)
@@ -112,10 +112,10 @@ def test_stable_synthetic_2000_steps_give_no_events(seed: int) -> None:
     test_detectors_helpers.realistic_rows), fed through the Monitor's drain path."""
     model = reference_gpt(vocab_size=256)
     mon = stabkit.attach(model, None, config=stabkit.MonitorConfig(console=False, detect=None))
-    handle = install(mon)
+    handle = mon.install_detectors()
     rows = realistic_rows(2000, seed=seed)
     for start in range(0, 2000, 50):
-        handle.decider.on_rows(mon, rows[start : start + 50])
+        handle.on_rows(rows[start : start + 50])
     mon.detach()
     assert [str(e) for e in mon.events] == []
     assert "spike/grad/global_norm/score" in rows[-1][1]
@@ -127,7 +127,7 @@ def test_stable_real_run_gives_no_events() -> None:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50))
     mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(console=False, detect=None))
-    install(mon)
+    mon.install_detectors()
     for x, y in text_batches(400, 8, 16, seed=0):
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
         loss.backward()

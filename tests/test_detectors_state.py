@@ -10,7 +10,7 @@ from test_detectors_helpers import realistic_rows
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectorHandle, install
+from stabkit.detectors import DetectConfig, DetectorContext, Judge
 
 Rows = list[tuple[int, dict[str, float]]]
 
@@ -26,19 +26,18 @@ def eventful_rows() -> Rows:
     return rows
 
 
-def handle() -> DetectorHandle:
-    mon = stabkit.attach(
-        reference_gpt(vocab_size=256), None, config=stabkit.MonitorConfig(console=False, detect=None)
-    )
-    return install(mon)
+def handle() -> Judge:
+    """The detectors of a reference GPT, fed plain rows (no model, no monitor)."""
+    model_map = stabkit.inspect_model(reference_gpt(vocab_size=256))
+    return Judge(DetectorContext.from_model_map(model_map, DetectConfig()))
 
 
-def feed(h: DetectorHandle, rows: Rows) -> tuple[list[tuple], list[dict[str, float]]]:
+def feed(h: Judge, rows: Rows) -> tuple[list[tuple], list[dict[str, float]]]:
     rows = copy.deepcopy(rows)
-    start = len(h.monitor.events)
+    found = []
     for i in range(0, len(rows), 50):
-        h.decider.on_rows(h.monitor, rows[i : i + 50])
-    events = [(e.step, e.kind, e.where, e.value) for e in h.monitor.events[start:]]
+        found += h.rows(rows[i : i + 50])
+    events = [(e.step, e.kind, e.where, e.value) for e in found]
     return events, [row for _, row in rows]
 
 

@@ -13,7 +13,7 @@ from stabkit.discovery import DiscoveryError, ModelMap
 
 def test_reference_gpt_map_matches_config() -> None:
     m = reference_gpt(n_kv_heads=2, norm="rmsnorm", norm_placement="sandwich")
-    mm = stabkit.inspect(m)
+    mm = stabkit.inspect_model(m)
     assert mm.family == "stabkit-gpt"
     assert mm.block_paths == ["blocks.0", "blocks.1"]
     a = mm.blocks[1].attention
@@ -34,13 +34,13 @@ def test_reference_gpt_map_matches_config() -> None:
 
 
 def test_reference_gpt_post_norm_placement() -> None:
-    mm = stabkit.inspect(reference_gpt(norm_placement="post"))
+    mm = stabkit.inspect_model(reference_gpt(norm_placement="post"))
     assert {b.placement for b in mm.blocks} == {"post"}
     assert {n.position for n in mm.blocks[0].norms} == {"post"}
 
 
 def test_nanogpt_fused_qkv() -> None:
-    mm = stabkit.inspect(NanoGPT(d=48, n_head=6))
+    mm = stabkit.inspect_model(NanoGPT(d=48, n_head=6))
     assert mm.family == "nanogpt"
     a = mm.blocks[0].attention
     assert a.qkv == "transformer.h.0.attn.c_attn" and a.q is None and a.qkv_layout == "q|k|v"
@@ -50,7 +50,7 @@ def test_nanogpt_fused_qkv() -> None:
 
 @pytest.mark.parametrize("impl", ["sdpa", "eager"])
 def test_hf_gpt2(impl: str) -> None:
-    mm = stabkit.inspect(hf_gpt2(impl))
+    mm = stabkit.inspect_model(hf_gpt2(impl))
     assert mm.family == "hf-gpt2"
     assert mm.block_paths == ["transformer.h.0", "transformer.h.1"]
     a = mm.blocks[0].attention
@@ -63,7 +63,7 @@ def test_hf_gpt2(impl: str) -> None:
 
 @pytest.mark.parametrize("kv", [4, 2, 1])
 def test_hf_llama_kv_layouts(kv: int) -> None:
-    mm = stabkit.inspect(hf_llama(kv_heads=kv))
+    mm = stabkit.inspect_model(hf_llama(kv_heads=kv))
     assert mm.family == "hf-llama"
     a = mm.blocks[1].attention
     assert a.q == "model.layers.1.self_attn.q_proj"
@@ -86,14 +86,14 @@ def test_other_llama_family_members_share_the_layout() -> None:
             num_key_value_heads=2,
             vocab_size=64,
         )
-        mm = stabkit.inspect(model_cls(cfg))
+        mm = stabkit.inspect_model(model_cls(cfg))
         assert mm.family == "hf-llama", cfg_cls.__name__
         assert mm.blocks[0].attention.n_kv_heads == 2
 
 
 @pytest.mark.parametrize("norm_first", [False, True])
 def test_transformer_encoder(norm_first: bool) -> None:
-    mm = stabkit.inspect(EncoderLM(norm_first=norm_first))
+    mm = stabkit.inspect_model(EncoderLM(norm_first=norm_first))
     assert mm.family == "torch-encoder"
     a = mm.blocks[0].attention
     assert a.path == "encoder.layers.0.self_attn" and a.qkv == "encoder.layers.0.self_attn.in_proj_weight"
@@ -144,7 +144,7 @@ class OddModel(nn.Module):
 
 
 def test_fallback_finds_roles_by_name_and_shape() -> None:
-    mm = stabkit.inspect(OddModel())
+    mm = stabkit.inspect_model(OddModel())
     assert mm.family == "fallback"
     assert mm.block_paths == ["stack.0", "stack.1", "stack.2"]
     a = mm.blocks[2].attention
@@ -182,14 +182,14 @@ class Hidden(nn.Module):
 
 def test_no_attention_error_lists_what_was_found_and_how_to_override() -> None:
     with pytest.raises(DiscoveryError) as err:
-        stabkit.inspect(Hidden())
+        stabkit.inspect_model(Hidden())
     msg = str(err.value)
     assert "no attention found in Hidden" in msg
     assert "Mixer×2" in msg and "layers" in msg and "override=" in msg
 
 
 def test_user_override_maps_an_unrecognised_model() -> None:
-    mm = stabkit.inspect(
+    mm = stabkit.inspect_model(
         Hidden(),
         override={
             "blocks": "layers.*",
@@ -216,27 +216,27 @@ def test_user_override_maps_an_unrecognised_model() -> None:
 
 def test_override_errors_are_actionable() -> None:
     with pytest.raises(ValueError, match="unknown override key"):
-        stabkit.inspect(Hidden(), override={"block": "layers.*"})
+        stabkit.inspect_model(Hidden(), override={"block": "layers.*"})
     with pytest.raises(DiscoveryError, match="matches no module"):
-        stabkit.inspect(Hidden(), override={"blocks": "nope.*", "attention": "mix"})
+        stabkit.inspect_model(Hidden(), override={"blocks": "nope.*", "attention": "mix"})
 
 
 def test_a_complete_modelmap_is_checked_and_returned() -> None:
     model = reference_gpt()
-    mm = stabkit.inspect(model)
-    assert stabkit.inspect(model, override=mm) is mm
+    mm = stabkit.inspect_model(model)
+    assert stabkit.inspect_model(model, override=mm) is mm
     bad = ModelMap(family="override", blocks=mm.blocks, output_head="nothing.here")
     with pytest.raises(DiscoveryError, match="nothing.here"):
-        stabkit.inspect(model, override=bad)
+        stabkit.inspect_model(model, override=bad)
 
 
 def test_not_a_module() -> None:
     with pytest.raises(TypeError, match="torch.nn.Module"):
-        stabkit.inspect({"weight": torch.zeros(2)})  # type: ignore[arg-type]
+        stabkit.inspect_model({"weight": torch.zeros(2)})  # type: ignore[arg-type]
 
 
 def test_describe_and_to_dict() -> None:
-    mm = stabkit.inspect(hf_llama(kv_heads=2))
+    mm = stabkit.inspect_model(hf_llama(kv_heads=2))
     text = mm.describe()
     assert "GQA" in text and "model.layers.1.self_attn" in text and "output head: lm_head" in text
     d = mm.to_dict()

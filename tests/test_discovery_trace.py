@@ -24,7 +24,7 @@ def traced(name: str) -> tuple[ZooModel, ModelMap]:
         pytest.skip(str(exc))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return zoo, stabkit.inspect(zoo.model, example=(zoo.args, zoo.inputs))
+        return zoo, stabkit.inspect_model(zoo.model, example=(zoo.args, zoo.inputs))
 
 
 def test_fused_qkv_interleaved_per_head_gpt_neox() -> None:
@@ -114,7 +114,7 @@ def test_a_bare_encoder_has_no_logits() -> None:
     from transformers import BertConfig, BertModel
 
     model = BertModel(BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4))
-    mm = stabkit.inspect(model)
+    mm = stabkit.inspect_model(model)
     assert mm.logits is None and len(mm.blocks) == 2
 
 
@@ -167,7 +167,7 @@ def test_the_traced_forward_leaves_rng_and_buffers_unchanged() -> None:
     torch.manual_seed(3)
     expected = torch.rand(4)
     torch.manual_seed(3)
-    mm = stabkit.inspect(model)
+    mm = stabkit.inspect_model(model)
     assert torch.equal(torch.rand(4), expected)
     for n, b in model.named_buffers():
         assert torch.equal(b, buffers[n]), n

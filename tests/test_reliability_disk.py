@@ -20,7 +20,7 @@ import torch
 from zoo import batch, lm_loss, reference_gpt
 
 import stabkit
-import stabkit.detectors.actions as actions_mod
+import stabkit.actions.dump as actions_mod
 from stabkit.events import Event
 from stabkit.sinks import LOG_NAME, JsonlSink, SinkSet, read_jsonl
 

@@ -333,7 +333,7 @@ def _verify(name: str, zoo: ZooModel, handle: Any, before: torch.Tensor) -> None
                         p.zero_()
                     if module(torch.randn(3, weight.shape[-1])).abs().max() > 0:  # a (1 + weight) norm
                         weight.fill_(-1.0)
-        mmap = stabkit.inspect(model)
+        mmap = stabkit.inspect_model(model)
         seen: list[tuple[torch.Tensor, torch.Tensor]] = []
         hooks = [
             model.get_submodule(b.path).register_forward_hook(
@@ -379,7 +379,7 @@ def test_intervention_in_effect_or_refused_for_a_true_reason(name: str, interven
         warnings.simplefilter("ignore")
         # discovery traces this model's own inputs once (stabkit cannot guess every forward signature);
         # `apply` reuses that map while the model is unchanged
-        stabkit.inspect(model, example=(zoo.args, zoo.inputs))
+        stabkit.inspect_model(model, example=(zoo.args, zoo.inputs))
         try:
             handle = apply(model, intervention, **options)
         except InterventionError as exc:

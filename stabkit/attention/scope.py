@@ -28,6 +28,8 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..hooks import DIRECT, Registrar
+
 Handler = Callable[[str, Callable[..., Any], tuple[Any, ...], dict[str, Any]], Any]
 """handler(path, func, args, kwargs) -> result. Call ``func(*args, **kwargs)`` to pass the call on."""
 
@@ -111,13 +113,16 @@ def attach_scope(
     outer: bool,
     on_exit: OnExit | None = None,
     enabled: Callable[[], bool] | None = None,
+    hooks: Registrar = DIRECT,
+    owner: str = "attention-scope",
 ) -> ScopeHandle:
     """While each module at `paths` (``named_modules`` paths in `model`) runs, route the calls of
     `functions` to their handlers. `outer` picks the hook order (see the module docstring).
 
     `enabled` (optional) is asked in each pre-hook; when it returns False the mode is not pushed
     for that forward (e.g. a probe sampling only some steps). `on_exit` runs after each scoped
-    forward with the number of calls handled. Returns a handle that removes the hooks.
+    forward with the number of calls handled. `hooks` registers the two hooks per module (a monitor's
+    `HookSet` for probes). Returns a handle that removes the hooks.
     """
     handles: list[Any] = []
     for path in paths:
@@ -153,6 +158,6 @@ def attach_scope(
             if on_exit is not None:
                 on_exit(_path, mode.handled, output)
 
-        handles.append(module.register_forward_pre_hook(pre_hook, prepend=outer))
-        handles.append(module.register_forward_hook(post_hook, prepend=not outer, always_call=True))
+        handles.append(hooks.forward_pre(owner, module, pre_hook, prepend=outer))
+        handles.append(hooks.forward(owner, module, post_hook, prepend=not outer, always_call=True))
     return ScopeHandle(handles, list(paths))

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery import ModelMap, inspect
+from ..discovery import ModelMap, inspect_model
 from . import optimizer_rules, rules_norm, rules_regularization, rules_shape, rules_softmax
 from .context import AuditContext, applied_interventions
 from .findings import INTERVENTIONS, Finding, Report
@@ -48,7 +48,7 @@ def audit(
 
     lr / warmup_steps: the run's peak LR and warmup (warmup None counts as none, for post-norm).
     seq_len: sequence length for the KV-cache figure (default: the model's context length).
-    model_map: a ModelMap from `stabkit.inspect` (found here when None).
+    model_map: a ModelMap from `stabkit.inspect_model` (found here when None).
     active_interventions: names of guards the model cannot show (e.g. ``['z_loss']`` in your loss);
         interventions applied with `stabkit.interventions.apply` are seen without it.
     kv_dtype: dtype of the KV cache (default: the key projection's dtype).
@@ -70,7 +70,7 @@ def audit(
         raise ValueError(f"warmup_steps must be >= 0 or None, got {warmup_steps!r}")
     if seq_len is not None and seq_len < 1:
         raise ValueError(f"seq_len must be a positive integer or None, got {seq_len!r}")
-    mmap = model_map if model_map is not None else inspect(model)
+    mmap = model_map if model_map is not None else inspect_model(model)
     ctx = AuditContext(model, mmap, optimizer, lr, warmup_steps, seq_len, active, kv_dtype)
     findings: list[Finding] = []
     for rule_id in selected:

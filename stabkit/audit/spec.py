@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery import inspect
+from ..discovery import inspect_model
 from ..models import GPT, PRESETS, preset_config
 from .core import audit as run_audit
 
@@ -95,7 +95,7 @@ def run_inspect_cli(
     """
     device = device or inspect_device(spec)
     model = build_from_spec(spec, device)
-    mmap = inspect(model)
+    mmap = inspect_model(model)
     report = run_audit(model, model_map=mmap, seq_len=seq_len) if audit else None
     if as_json:
         out: dict[str, Any] = {"spec": spec, "model_map": mmap.to_dict()}

@@ -1,63 +1,32 @@
-"""Detectors and actions: NaN/Inf localization, spike and drift detection, advice, skip and rollback.
+"""Detectors: plug-ins that read host values of named series and return events (spike, drift,
+attention-entropy collapse, fp16 overflow, non-finite), the advice table they declare, and the
+model-free `Judge` that runs them. Importing this package loads no torch.
 
-`install(monitor, DetectConfig(...))` plugs them into a Monitor; `describe_advice()` is the table
-`stabkit list advice` prints. Only `DetectConfig` is imported eagerly, so `stabkit.config` can
-import it without a cycle (everything else loads on first use).
+The wiring that connects them to a model (non-finite device checks, optimizer hooks, actions) is
+`stabkit.detectors.wiring.DetectorSet`, built by the Monitor at attach.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
-
-from ..lazy import lazy_names
-from .config import ACTIONS, KINDS, DetectConfig
-
-if TYPE_CHECKING:
-    from .advice import ADVICE, Advice, advise, describe_advice
-    from .drift import DriftDetector
-    from .localize import Finding, locate_update_fault, replay
-    from .snapshots import Snapshot, SnapshotStore
-    from .spike import SpikeDetector
-    from .tracer import FiniteTracer
-    from .wiring import DetectorHandle, install
-
-_LAZY = {
-    "ADVICE": "advice",
-    "Advice": "advice",
-    "advise": "advice",
-    "describe_advice": "advice",
-    "DriftDetector": "drift",
-    "Finding": "localize",
-    "locate_update_fault": "localize",
-    "replay": "localize",
-    "Snapshot": "snapshots",
-    "SnapshotStore": "snapshots",
-    "SpikeDetector": "spike",
-    "FiniteTracer": "tracer",
-    "DetectorHandle": "wiring",
-    "install": "wiring",
-}
-
-
-__getattr__ = lazy_names(__name__, _LAZY)
-
+from ..detect_config import DetectConfig
+from .advice import Advice, advice_table, advise, describe_advice
+from .base import BlockInfo, Detector, DetectorContext, Observation
+from .drift import DriftDetector
+from .entropy import EntropyCollapseDetector, EntropyOptions
+from .judge import Judge
+from .spike import SpikeDetector
 
 __all__ = [
-    "ACTIONS",
-    "ADVICE",
-    "KINDS",
     "Advice",
+    "BlockInfo",
     "DetectConfig",
-    "DetectorHandle",
+    "Detector",
+    "DetectorContext",
     "DriftDetector",
-    "Finding",
-    "FiniteTracer",
-    "Snapshot",
-    "SnapshotStore",
+    "EntropyCollapseDetector",
+    "EntropyOptions",
+    "Judge",
+    "Observation",
     "SpikeDetector",
+    "advice_table",
     "advise",
     "describe_advice",
-    "install",
-    "locate_update_fault",
-    "replay",
 ]

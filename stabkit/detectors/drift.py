@@ -28,9 +28,12 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ..discovery import ModelMap
+from collections.abc import Mapping
+
 from ..events import Event
-from .config import DetectConfig
+from ..plugins import DETECTORS
+from .advice import Advice
+from .base import Detector, DetectorContext, Observation
 
 WORTSMAN_DIVERGED = 1e4
 """Wortsman et al. 2023: every run whose max attention logit exceeded 1e4 diverged."""
@@ -62,20 +65,45 @@ class DriftSeries:
     seen: int = 0
 
 
-class DriftDetector:
-    """Watches the drift series of one model (named from its ModelMap)."""
+@DETECTORS.register
+class DriftDetector(Detector):
+    """Watches the drift series of one model (named from its attention modules and blocks)."""
 
-    def __init__(self, config: DetectConfig, model_map: ModelMap) -> None:
-        self.config = config
-        c = config
-        log_v = math.log(model_map.vocab_size) if model_map.vocab_size else None
+    kind = "drift"
+    advice = {
+        "attn_logit_growth": Advice(
+            "max attention logit keeps growing",
+            ("qk_norm", "attn_softcap"),
+            "normalise q and k (ViT-22B; Wortsman et al. 2023: runs above 1e4 diverged) or soft-cap attention logits at 50 (Gemma 2)",
+        ),
+        "logz_drift": Advice(
+            "log Z drifts away from log V",
+            ("z_loss", "logit_softcap"),
+            "add z-loss 1e-4·log²Z (PaLM; OLMo 2 / Chameleon use 1e-5) or soft-cap output logits at 30 (Gemma 2); weight decay also helps (Wortsman et al. 2023)",
+        ),
+        "residual_growth_post": Advice(
+            "residual RMS grows in a post-norm model",
+            ("norm_placement",),
+            "move the norms to pre (Xiong et al. 2020) or sandwich placement; post-norm also needs a long warmup",
+        ),
+        "residual_growth_pre": Advice(
+            "residual RMS grows in a pre-norm model",
+            ("norm_placement", "rmsnorm"),
+            "sandwich / reordered norm h = x + norm(f(x)) with RMSNorm (OLMo 2, Chameleon 34B) bounds what each block adds",
+        ),
+    }
+
+    def __init__(self, ctx: DetectorContext) -> None:
+        super().__init__(ctx)
+        self.config = c = ctx.config
+        log_v = ctx.log_vocab
         self.rules: dict[str, DriftRule] = {}
-        for path in model_map.attention_paths:
+        for path in ctx.attention_paths:
             self.rules[f"attn/{path}/max_logit"] = DriftRule(
                 "attn_logit", "log", c.attn_logit_level, c.attn_logit_growth
             )
         self.rules["logits/logz_mean"] = DriftRule("logz", "offset", c.logz_level, c.logz_change, log_v)
-        for path in model_map.block_paths:
+        for path in ctx.block_paths:
             self.rules[f"act/{path}/rms"] = DriftRule(
                 "residual", "log", c.residual_level, c.residual_growth, relative_level=True
             )
@@ -84,6 +112,19 @@ class DriftDetector:
     def wants(self, name: str) -> bool:
         """True when `name` is a drift series."""
         return name in self.rules
+
+    def observe(self, step: int, values: Mapping[str, float]) -> Observation:
+        """A drift event per series whose window shows sustained growth."""
+        events = [e for name, x in values.items() if (e := self.update(step, name, x)) is not None]
+        return Observation(events)
+
+    def signature(self, event: Event) -> str:
+        """attn_logit_growth, logz_drift, or residual growth by the block's norm placement."""
+        family = event.details.get("family")
+        if family == "residual":
+            block = self.ctx.block_of(event.where[4:].rsplit("/", 1)[0])
+            return "residual_growth_post" if block and block.placement == "post" else "residual_growth_pre"
+        return "logz_drift" if family == "logz" else "attn_logit_growth"
 
     def update(self, step: int, name: str, x: float) -> Event | None:
         """Consume value `x` of series `name` at `step`; a drift event or None."""

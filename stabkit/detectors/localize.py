@@ -26,14 +26,15 @@ from torch import nn
 
 from ..events import Event
 from ..probes import first_tensor
-from .nonfinite import KeptForward, nonfinite_any, optimizer_tensors, rng_state, set_rng_state
-from .tracer import FiniteTracer, any_nan_or_posinf, floating_tensors
+from ..stats.finite import floating_tensors, is_nonfinite, nonfinite_flag
+from .nonfinite import KeptForward, optimizer_tensors, rng_state, set_rng_state
+from .tracer import FiniteTracer
 
 MAX_LISTED = 20
 
 
 @dataclass
-class Finding:
+class FaultSite:
     """Where a non-finite value was produced."""
 
     pass_: str
@@ -60,37 +61,33 @@ def owner_of(param_name: str) -> str:
     return param_name.rsplit(".", 1)[0] if "." in param_name else ""
 
 
-def _bad(t: torch.Tensor) -> bool:
-    return t.is_floating_point() and not bool(torch.isfinite(t).all())  # sync point (on a hit only)
-
-
-def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Finding | None:
+def nonfinite_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> FaultSite | None:
     """The first parameter (model order) whose optimizer state or value is non-finite, read on the host."""
     state_tensors = optimizer_tensors(optimizer) if optimizer is not None else []
-    fused = nonfinite_any([*model.parameters(), *state_tensors])
+    fused = nonfinite_flag([*model.parameters(), *state_tensors])
     if fused is None or not bool(fused):  # sync point (on a hit only)
         return None
     faults: list[tuple[str, str]] = []
     for name, p in model.named_parameters():
         state = optimizer.state.get(p, {}) if optimizer is not None else {}
-        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and _bad(v)]
+        keys = [k for k, v in state.items() if isinstance(v, torch.Tensor) and is_nonfinite(v)]
         if keys:
             faults.append((name, f"optimizer state {keys[0]} of {name}"))
-        elif _bad(p.detach()):
+        elif is_nonfinite(p):
             faults.append((name, f"parameter {name}"))
     if not faults:
         return None
     name, tensor = faults[0]
-    return Finding(
+    return FaultSite(
         "optimizer", owner_of(name), tensor, details={"params": [n for n, _ in faults[:MAX_LISTED]]}
     )
 
 
-def locate_update_fault(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> Finding:
+def locate_update_fault(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> FaultSite:
     """After an update wrote NaN/Inf: which parameter, and whether its state or only the update is at fault."""
     found = nonfinite_state(model, optimizer)
     if found is None:
-        return Finding(
+        return FaultSite(
             "optimizer", "", "parameters", note="the update check fired but no tensor is non-finite now"
         )
     if found.tensor.startswith("parameter "):
@@ -106,7 +103,7 @@ def replay(
     forwards: list[KeptForward],
     optimizer: torch.optim.Optimizer | None,
     loss_fn: Callable[..., Any] | None = None,
-) -> Finding:
+) -> FaultSite:
     """Re-run the step's forwards and backwards with per-module checks; the first producer found.
 
     Costs one forward and backward per kept forward, with a device check per module; syncs with
@@ -149,13 +146,13 @@ def replay(
             "the forward pass was finite on replay; the backward pass was not replayed "
             "(no output gradient kept: set keep_output_grad=True or pass loss_fn)"
         )
-    return Finding("unknown", "", "", note=note)
+    return FaultSite("unknown", "", "", note=note)
 
 
-def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] | None) -> Finding | None:
-    bad_input = any_nan_or_posinf(floating_tensors(fwd.args) + floating_tensors(fwd.kwargs))
+def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] | None) -> FaultSite | None:
+    bad_input = nonfinite_flag(floating_tensors(fwd.args) + floating_tensors(fwd.kwargs), ignore_neginf=True)
     if bad_input is not None and bool(bad_input):  # sync point (replay only)
-        return Finding("input", "", "input", note="the batch itself holds NaN/+Inf")
+        return FaultSite("input", "", "input", note="the batch itself holds NaN/+Inf")
     backward = loss_fn is not None or fwd.output_grad is not None
     tracer = FiniteTracer(model, backward=backward)
     try:
@@ -167,21 +164,21 @@ def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] 
             output = _forward(model, fwd)
         site = tracer.result()
         if site is not None:
-            return Finding(site[1], site[0], site[2])
+            return FaultSite(site[1], site[0], site[2])
         if not backward:
             return None
         tracer.reset()
         if loss_fn is not None:
             loss = loss_fn(output, *fwd.args, **fwd.kwargs)
             if not bool(torch.isfinite(loss.detach()).all()):  # sync point (replay only)
-                return Finding(
+                return FaultSite(
                     "loss", "", "loss", note="loss_fn returned a non-finite loss from a finite output"
                 )
             loss.backward()
         else:
             assert fwd.output_grad is not None
             if not bool(torch.isfinite(fwd.output_grad).all()):  # sync point (replay only)
-                return Finding(
+                return FaultSite(
                     "loss",
                     "",
                     "grad of the model output",
@@ -189,7 +186,7 @@ def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] 
                 )
             torch.autograd.backward(first_tensor(output), fwd.output_grad)
         site = tracer.result()
-        return Finding(site[1], site[0], site[2]) if site is not None else None
+        return FaultSite(site[1], site[0], site[2]) if site is not None else None
     finally:
         tracer.detach()
 
@@ -202,7 +199,7 @@ def _forward(model: nn.Module, fwd: KeptForward) -> Any:
         return model(*fwd.args, **fwd.kwargs)
 
 
-def finding_event(step: int, finding: Finding | None, metric: str, value: float) -> Event:
+def finding_event(step: int, finding: FaultSite | None, metric: str, value: float) -> Event:
     """A 'nonfinite' Event from a localization `finding`, or naming `metric` when there is none."""
     if finding is None:
         return Event(

@@ -10,13 +10,12 @@
   hook releases it (one output-sized tensor; it lets the backward pass be replayed without the
   user's loss code).
 
-`nonfinite_any` is the device check used for gradients and for parameters + optimizer state after
-an update (no host sync).
+The device checks themselves are `stabkit.stats.finite.nonfinite_flag`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +24,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery.trace import tracing
-from ..distributed import local
+from ..hooks import DIRECT, Registrar
 from ..probes import first_tensor
 
 MAX_KEPT = 256
@@ -70,31 +69,6 @@ def autocast_state() -> list[tuple[str, torch.dtype]]:
     return out
 
 
-def nonfinite_any(tensors: Iterable[torch.Tensor]) -> torch.Tensor | None:
-    """0-d bool device tensor: some tensor holds NaN or ±Inf (None for no floating tensor). No host sync.
-
-    On CUDA one fused max-norm per (device, dtype) group (`torch._foreach_norm(ord=inf)`: exact).
-    Elsewhere a float32 sum per tensor (NaN and ±Inf propagate; the CPU max-norm kernel is ~15×
-    slower): only values near 1e32 could overflow a finite tensor's sum into a false alarm.
-    """
-    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
-    for t in tensors:
-        t = local(t)  # FSDP2: this rank's shard (a DTensor cannot be reduced locally)
-        if t.is_floating_point() and t.numel() > 0:
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
-    flags = []
-    for (device, _), group in groups.items():
-        if device.type == "cuda":
-            reduced = torch.stack(torch._foreach_norm(group, float("inf")))
-        else:
-            reduced = torch.stack([t.sum(dtype=torch.float32) for t in group])
-        flags.append(~torch.isfinite(reduced).all())
-    if not flags:
-        return None
-    first = flags[0].device
-    return torch.stack([f.to(first) for f in flags]).any()
-
-
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
     """Every floating tensor in the optimizer state (e.g. Adam's exp_avg, exp_avg_sq)."""
     return [v for st in optimizer.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
@@ -109,6 +83,7 @@ class StepGuard:
         record: Callable[[str, torch.Tensor], None],
         check_output: bool,
         keep_grad: bool,
+        hooks: Registrar = DIRECT,
     ) -> None:
         self.record = record
         self.check_output = check_output
@@ -119,8 +94,8 @@ class StepGuard:
         self.paused = False
         """True during a replay: the hooks do nothing."""
         self.handles: list[RemovableHandle] = [
-            model.register_forward_pre_hook(self._pre_forward, with_kwargs=True),
-            model.register_forward_hook(self._post_forward, with_kwargs=True),
+            hooks.forward_pre("step-guard", model, self._pre_forward, with_kwargs=True),
+            hooks.forward("step-guard", model, self._post_forward, with_kwargs=True),
         ]
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

@@ -30,13 +30,15 @@ cumulative over the run; values are scored once `spike_min_history` values prece
 
 from __future__ import annotations
 
-import fnmatch
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..events import Event
-from .config import DetectConfig
+from ..plugins import DETECTORS
+from .advice import Advice
+from .base import Detector, DetectorContext, Observation
 from .rolling import RollingWindow
 
 
@@ -55,21 +57,62 @@ class SeriesState:
         return 100.0 * self.flagged / self.scored if self.scored else 0.0
 
 
-class SpikeDetector:
+@DETECTORS.register
+class SpikeDetector(Detector):
     """Per-series spike rule and spike score for every metric matching `DetectConfig.spike_series`."""
 
-    def __init__(self, config: DetectConfig) -> None:
-        self.config = config
-        self.series: dict[str, SeriesState] = {}
-        self._wants: dict[str, bool] = {}
+    kind = "spike"
+    before_update = ("grad/*",)
+    advice = {
+        "early_grad_blowup_post": Advice(
+            "gradient-norm spike in an early block of a post-norm model",
+            ("norm_placement",),
+            "post-norm gradients near the input are large at init (Xiong et al. 2020): switch to pre or sandwich norm, or lengthen warmup",
+        ),
+        "grad_spike": Advice(
+            "gradient-norm spike",
+            (),
+            "clip the gradient norm (1.0), lower the peak learning rate or lengthen warmup; spikes from the embeddings: no weight decay on them (OLMo 2)",
+        ),
+        "update_spike": Advice(
+            "update/parameter ratio spike",
+            (),
+            "lower the learning rate or lengthen warmup; check Adam ε (1e-8; Wortsman et al. 2023 §3.4); update spikes precede loss spikes (marin#1368)",
+        ),
+        "loss_spike": Advice(
+            "loss spike",
+            (),
+            "PaLM: restart ~100 steps earlier and skip 200–500 batches (action 'rollback'); the grad-norm and update-ratio events just before it name the layer",
+        ),
+    }
 
-    def wants(self, name: str) -> bool:
-        """True when `name` is a series this detector watches."""
-        hit = self._wants.get(name)
-        if hit is None:
-            hit = any(fnmatch.fnmatchcase(name, p) for p in self.config.spike_series)
-            self._wants[name] = hit
-        return hit
+    def __init__(self, ctx: DetectorContext) -> None:
+        super().__init__(ctx)
+        self.config = ctx.config
+        self.watches = self.config.spike_series  # type: ignore[misc]
+        self.series: dict[str, SeriesState] = {}
+
+    def observe(self, step: int, values: Mapping[str, float]) -> Observation:
+        """Each value: a spike event and/or its spike score (``spike/<series>/score``)."""
+        seen = Observation()
+        for name, x in values.items():
+            event, score = self.update(step, name, x)
+            if score is not None:
+                seen.series[f"spike/{name}/score"] = score
+            if event is not None:
+                seen.events.append(event)
+        return seen
+
+    def signature(self, event: Event) -> str:
+        """update_spike / grad_spike (early_grad_blowup_post in an early post-norm block) / loss_spike."""
+        name = event.where
+        if name.startswith("update/"):
+            return "update_spike"
+        if name.startswith("grad/"):
+            block = self.ctx.block_of(name[5:].rsplit("/", 1)[0])
+            early = block is not None and block.index < max(1, len(self.ctx.blocks) // 2)
+            return "early_grad_blowup_post" if early and block is not None and block.placement == "post" else "grad_spike"
+        return "loss_spike"
 
     def update(self, step: int, name: str, x: float) -> tuple[Event | None, float | None]:
         """Consume value `x` of series `name` at `step`: (spike event or None, spike score or None).

@@ -22,43 +22,17 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery.trace import tracing
+from ..hooks import DIRECT, Registrar
+from ..stats.finite import floating_tensors, nonfinite_flag
 
 Site = tuple[str, str, str]
 """(module path, pass 'forward'|'backward', tensor 'output'|'grad_input'|'grad of <param>')."""
 
 
-def floating_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
-    """The floating-point tensors inside `obj` (tensor, tuple/list, dict/ModelOutput), two levels deep."""
-    if isinstance(obj, torch.Tensor):
-        return [obj] if obj.is_floating_point() and obj.numel() > 0 else []
-    if depth > 2:
-        return []
-    if isinstance(obj, tuple | list):
-        return [t for item in obj for t in floating_tensors(item, depth + 1)]
-    if isinstance(obj, dict):
-        return [t for item in obj.values() for t in floating_tensors(item, depth + 1)]
-    return []
-
-
-def any_nonfinite(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """0-d bool: some tensor holds NaN or ±Inf (None for no tensors)."""
-    flags = [~torch.isfinite(t.detach()).all() for t in tensors]
-    return torch.stack(flags).any() if flags else None
-
-
-def any_nan_or_posinf(tensors: list[torch.Tensor]) -> torch.Tensor | None:
-    """0-d bool: some tensor holds NaN or +Inf (−Inf, used by masks, does not count)."""
-    flags = []
-    for t in tensors:
-        top = t.detach().amax()  # NaN if any NaN, +Inf if any +Inf
-        flags.append(torch.isnan(top) | torch.isposinf(top))
-    return torch.stack(flags).any() if flags else None
-
-
 class FiniteTracer:
     """Registers the checks on `model`; `detach()` removes them (safe twice)."""
 
-    def __init__(self, model: nn.Module, backward: bool = True) -> None:
+    def __init__(self, model: nn.Module, backward: bool = True, hooks: Registrar = DIRECT) -> None:
         self.model = model
         self.backward = backward
         self.sites: list[Site] = []
@@ -70,14 +44,14 @@ class FiniteTracer:
             for pname, p in module.named_parameters(recurse=False):
                 self.owner.setdefault(id(p), (path, f"{path}.{pname}" if path else pname))
         for path, module in model.named_modules():
-            self.handles.append(module.register_forward_hook(self._forward_hook(path), with_kwargs=True))
+            self.handles.append(hooks.forward("tracer", module, self._forward_hook(path), with_kwargs=True))
             if backward:
-                self.handles.append(module.register_full_backward_pre_hook(self._backward_pre_hook(path)))
-                self.handles.append(module.register_full_backward_hook(self._backward_hook(path)))
+                self.handles.append(hooks.backward_pre("tracer", module, self._backward_pre_hook(path)))
+                self.handles.append(hooks.backward("tracer", module, self._backward_hook(path)))
         if backward:
             for p in model.parameters():
                 if p.requires_grad:
-                    self.handles.append(p.register_hook(self._param_hook(p)))
+                    self.handles.append(hooks.gradient("tracer", p, self._param_hook(p)))
 
     def _add(self, site: Site, flag: torch.Tensor | None) -> None:
         if flag is not None:
@@ -89,17 +63,17 @@ class FiniteTracer:
             if tracing():
                 return
             with torch.no_grad():
-                out_bad = any_nonfinite(floating_tensors(output))
+                out_bad = nonfinite_flag(floating_tensors(output))
                 if out_bad is None:
                     return
-                in_bad = any_nan_or_posinf(floating_tensors(args) + floating_tensors(kwargs))
+                in_bad = nonfinite_flag(floating_tensors(args) + floating_tensors(kwargs), ignore_neginf=True)
                 self._add((path, "forward", "output"), out_bad if in_bad is None else out_bad & ~in_bad)
 
         return hook
 
     def _backward_pre_hook(self, path: str) -> Any:
         def hook(module: nn.Module, grad_output: Any) -> None:
-            bad = any_nonfinite([g for g in grad_output if g is not None])
+            bad = nonfinite_flag([g for g in grad_output if g is not None])
             if bad is not None:
                 self._grad_out_bad[path] = bad
 
@@ -107,10 +81,10 @@ class FiniteTracer:
 
     def _backward_hook(self, path: str) -> Any:
         def hook(module: nn.Module, grad_input: Any, grad_output: Any) -> None:
-            in_bad = any_nonfinite([g for g in grad_input if g is not None])
+            in_bad = nonfinite_flag([g for g in grad_input if g is not None])
             if in_bad is None:
                 return
-            out_bad = any_nonfinite([g for g in grad_output if g is not None])
+            out_bad = nonfinite_flag([g for g in grad_output if g is not None])
             self._add((path, "backward", "grad_input"), in_bad if out_bad is None else in_bad & ~out_bad)
 
         return hook

@@ -1,129 +1,162 @@
-"""`install(monitor, config) -> DetectorHandle`: plugs the detectors and actions into a Monitor.
+"""`DetectorSet`: the detectors, the non-finite watch and the actions of one Monitor, wired together.
 
-What it registers (all removed by `DetectorHandle.remove()`, safe twice):
-- on the root model: `StepGuard`'s forward pre-hook and forward hook (inputs + RNG kept, output
+The Monitor builds it at attach (`DetectorSet(Wiring(...), config)`) after its probes, and registers
+its hooks through the Monitor's `HookSet` (owner 'detectors'):
+- on the root model: the `StepGuard`'s forward pre-hook and forward hook (inputs + RNG kept, output
   checked); with `per_module`, a `FiniteTracer` on every module;
-- on the optimizer: a step pre-hook (registered after the GradProbe's, so `grad/global_norm` of
-  the step is recorded) and a step post-hook (the parameter / optimizer-state check);
-- `monitor.observers`: `Decider.on_step`, called at `Monitor.step` after the step is committed;
-- `monitor.drain_hooks`: `Decider.on_rows`, called with the rows of each host copy before the
-  sinks write them.
+- on the optimizer: a step pre-hook (after the gradient probe's, so `grad/global_norm` of the step
+  is recorded) and a step post-hook (the parameter / optimizer-state check).
+The Monitor then calls `on_step` at `Monitor.step` after the commit, and `on_rows` with each host
+copy before the sinks write it. `remove()` takes every hook away (safe twice).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
-from torch.utils.hooks import RemovableHandle
+import torch
+from torch import nn
 
-from .actions import Actor
-from .config import DetectConfig
+from ..actions import ActionContext, ActionRunner
+from ..actions.rollback import Rollback
+from ..actions.snapshots import SnapshotStore
+from ..detect_config import DetectConfig
+from ..discovery import ModelMap
+from ..events import Event
+from ..hooks import HookSet
+from ..stats import Recorder
+from .base import DetectorContext
 from .decide import Decider
-from .drift import DriftDetector
-from .nonfinite import StepGuard
-from .snapshots import SnapshotStore
-from .spike import SpikeDetector
-from .tracer import FiniteTracer
+from .judge import Judge
+from .watch import NonfiniteWatch, ScalerCheck
 
-if TYPE_CHECKING:
-    from ..monitor import Monitor
-
-STATE_VERSION = 1
+OWNER = "detectors"
 
 
-class DetectorHandle:
+@dataclass
+class Wiring:
+    """What the detectors get from the Monitor (and nothing more)."""
+
+    model: nn.Module
+    optimizer: Any | None
+    model_map: ModelMap
+    recorder: Recorder
+    hooks: HookSet
+    step: Callable[[], int]
+    """Completed `Monitor.step` calls so far."""
+    report: Callable[[Event], None]
+    """Record an event and write it to the sinks at once."""
+    muted: Callable[[], contextlib.AbstractContextManager[Any]]
+    """A context in which the probes' statistics go nowhere (a replay's forward)."""
+    logdir: Callable[[], Path | None]
+    metrics: Callable[[], dict[str, float]]
+    device_type: str = "cpu"
+    sampled_every: int = 10
+    """`MonitorConfig.every`."""
+    scaled: bool = False
+    """An enabled fp16 GradScaler was given to attach."""
+    overflowed: Callable[[], bool] = lambda: False
+    """With a GradScaler: whether this step's update was skipped (read at `Monitor.step`)."""
+    distributed: bool = False
+
+
+class DetectorSet:
     """The detectors attached to one Monitor. A context manager; `remove()` is safe to call twice."""
 
-    def __init__(self, monitor: Monitor, config: DetectConfig) -> None:
+    def __init__(self, wiring: Wiring, config: DetectConfig) -> None:
         if not isinstance(config, DetectConfig):
             raise TypeError(f"stabkit detectors need a DetectConfig, got {type(config).__name__}")
-        self.monitor = monitor
-        config = config.resolved(monitor._device.type)
+        config = config.resolved(wiring.device_type)
         self.config = config
-        self.spikes = SpikeDetector(config)
-        self.drifts = DriftDetector(config, monitor.model_map)
-        model, optimizer = monitor.model, monitor.optimizer
-        self.snapshots = (
-            SnapshotStore(model, optimizer, config.snapshot_every, config.snapshots, config.snapshot_device)
-            if config.wants_rollback
+        self.wiring = wiring
+        self.judge = Judge(DetectorContext.from_model_map(wiring.model_map, config))
+        self.watch = (
+            NonfiniteWatch(
+                wiring.model,
+                wiring.optimizer,
+                config,
+                wiring.recorder,
+                wiring.hooks,
+                scaled=wiring.scaled,
+                can_replay=not wiring.distributed,
+                muted=wiring.muted,
+            )
+            if config.runs("nonfinite")
             else None
         )
-        replayable = not getattr(getattr(monitor, "dist", None), "active", False)
-        # the output gradient only serves a replay, and a replay only happens when non-finite values
-        # are decided per step (warn-only decides at the log interval): keep it only then
-        keep_grad = (
-            config.keep_output_grad
-            and config.loss_fn is None
-            and config.localize
-            and replayable
-            and config.needs_sync("nonfinite")
+        watch = self.watch
+        self.actions = ActionRunner(
+            ActionContext(
+                wiring.model,
+                wiring.optimizer,
+                config,
+                forwards=lambda: watch.guard.forwards if watch is not None else [],
+                logdir=wiring.logdir,
+                metrics=wiring.metrics,
+            ),
+            wiring.report,
         )
-        self.guard = (
-            StepGuard(model, self.record, config.check_output, keep_grad) if config.nonfinite else None
+        scaler_check = (
+            ScalerCheck(wiring.model, wiring.optimizer, wiring.overflowed) if wiring.scaled else None
         )
-        self.tracer = FiniteTracer(model) if config.per_module and config.nonfinite else None
-        self.actor = Actor(monitor, config, self.snapshots, self.guard)
-        self.decider = Decider(self)
-        self._handles: list[RemovableHandle] = []
-        if optimizer is not None:
-            self._handles.append(optimizer.register_step_pre_hook(self.decider.pre_update))
-            self._handles.append(optimizer.register_step_post_hook(self.decider.post_update))
-        monitor.observers.append(self.decider.on_step)
-        monitor.drain_hooks.append(self.decider.on_rows)
+        self.decider = Decider(
+            self.judge,
+            self.watch,
+            self.actions,
+            wiring.recorder,
+            wiring.step,
+            wiring.sampled_every,
+            scaler_check,
+        )
+        if wiring.optimizer is not None:
+            wiring.hooks.step_pre(OWNER, wiring.optimizer, self.decider.pre_update)
+            wiring.hooks.step_post(OWNER, wiring.optimizer, self.decider.post_update)
         self.removed = False
 
-    def record(self, name: str, value: Any) -> None:
-        """Add a per-step flag (combined by max) to the monitor's recorder."""
-        self.monitor.recorder.add(name, value, combine="max", reduction="max")
+    @property
+    def snapshots(self) -> SnapshotStore | None:
+        """The rollback action's snapshot store (None when no kind rolls back)."""
+        action = self.actions.get("rollback")
+        return action.snapshots if isinstance(action, Rollback) else None
+
+    def on_step(self, step: int, committed: dict[str, torch.Tensor]) -> None:
+        """At `Monitor.step`, after the step's statistics are committed."""
+        self.decider.on_step(step, committed)
+
+    def on_rows(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """At each log interval, with the host rows, before the sinks write them (may add series)."""
+        self.decider.on_rows(rows)
 
     def remove(self) -> None:
-        """Remove every hook and observer the detectors added (safe to call twice)."""
+        """Remove every hook the detectors added (safe to call twice)."""
         if self.removed:
             return
         self.removed = True
-        for h in self._handles:
-            h.remove()
-        self._handles = []
-        if self.guard is not None:
-            self.guard.detach()
-        if self.tracer is not None:
-            self.tracer.detach()
-        mon = self.monitor
-        if self.decider.on_step in mon.observers:
-            mon.observers.remove(self.decider.on_step)
-        if self.decider.on_rows in mon.drain_hooks:
-            mon.drain_hooks.remove(self.decider.on_rows)
+        self.wiring.hooks.remove(OWNER)
+        if self.watch is not None:
+            self.watch.detach()
 
     detach = remove
 
     def state_dict(self) -> dict[str, Any]:
-        """Detector state for a checkpoint (rolling windows, spike scores, drift windows). Snapshots
+        """Detector state for a checkpoint (rolling windows, spike scores, drift windows...). Snapshots
         for rollback are in-memory only and not included."""
-        return {
-            "version": STATE_VERSION,
-            "spike": self.spikes.state_dict(),
-            "drift": self.drifts.state_dict(),
-            "nonfinite_open": self.decider.nonfinite_open,
-        }
+        state = self.judge.state_dict()
+        state["nonfinite_open"] = self.watch.open if self.watch is not None else False
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned."""
-        if state.get("version") != STATE_VERSION:
-            raise ValueError(
-                f"detector state version {state.get('version')!r} is not {STATE_VERSION}; "
-                "it was saved by another stabkit version"
-            )
-        self.spikes.load_state_dict(state["spike"])
-        self.drifts.load_state_dict(state["drift"])
-        self.decider.nonfinite_open = bool(state["nonfinite_open"])
+        self.judge.load_state_dict(state)
+        if self.watch is not None:
+            self.watch.open = bool(state.get("nonfinite_open", False))
 
-    def __enter__(self) -> DetectorHandle:
+    def __enter__(self) -> DetectorSet:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.remove()
-
-
-def install(monitor: Monitor, config: DetectConfig | None = None) -> DetectorHandle:
-    """Attach detectors and actions to `monitor` (call after its probes are attached)."""
-    return DetectorHandle(monitor, config or DetectConfig())

@@ -1,7 +1,10 @@
-"""Discovery: find the Transformer roles in any model (`stabkit.inspect`)."""
+"""Discovery: find the Transformer roles in any model (`stabkit.inspect_model`)."""
 
-from .inspect import OVERRIDE_KEYS, inspect
+from .inspect_model import OVERRIDE_KEYS, inspect_model
 from .modelmap import AttentionMap, BlockMap, DiscoveryError, LogitsMap, ModelMap, NormMap
+
+inspect = inspect_model
+"""Former name of `inspect_model` (it shadowed the standard library's `inspect`); kept as an alias."""
 
 __all__ = [
     "OVERRIDE_KEYS",
@@ -12,4 +15,5 @@ __all__ = [
     "ModelMap",
     "NormMap",
     "inspect",
+    "inspect_model",
 ]

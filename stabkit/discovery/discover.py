@@ -1,7 +1,7 @@
 """Discovery by behaviour with names as the fallback: trace one forward, build the map from it, and
 fill in from module names only what the trace cannot tell.
 
-Runs once, from `stabkit.inspect` (and so at `attach`, `audit` and `interventions.apply`).
+Runs once, from `stabkit.inspect_model` (and so at `attach`, `audit` and `interventions.apply`).
 """
 
 from __future__ import annotations

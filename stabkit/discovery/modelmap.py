@@ -1,6 +1,6 @@
 """The ModelMap: where the roles of a Transformer sit in a particular model.
 
-Built once by `stabkit.inspect` (before training); read by probes, audit and interventions.
+Built once by `stabkit.inspect_model` (before training); read by probes, audit and interventions.
 All module references are `named_modules()` paths relative to the model root.
 """
 

@@ -1,7 +1,7 @@
 """Watch one forward pass and record what the model *does*: module calls, projections, attention
 calls, and which tensor was computed from which.
 
-Runs once, at discovery time (`stabkit.inspect`, `attach`), never per step. While the traced forward
+Runs once, at discovery time (`stabkit.inspect_model`, `attach`), never per step. While the traced forward
 runs, a `torch.overrides.TorchFunctionMode` sees every torch function and global module hooks keep
 the stack of running modules. What it records:
 

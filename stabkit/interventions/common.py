@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect
+from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect_model
 from ..models import RMSNorm
 from .handle import Handle, InterventionError
 
@@ -25,7 +25,7 @@ QK_NORM_ATTR = "stabkit_qk_norm"
 def model_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap | None = None) -> ModelMap:
     """Discover the roles of `model` (or check `override`), naming `name` in any error."""
     try:
-        return inspect(model, override)
+        return inspect_model(model, override)
     except DiscoveryError as exc:
         raise InterventionError(name, type(model).__name__, str(exc)) from exc
 
@@ -34,7 +34,7 @@ def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap 
     """Where the final logits of `model` are; needs no attention discovery (z_loss, logit_softcap)."""
     mmap: ModelMap | None
     try:
-        mmap = inspect(model, override)
+        mmap = inspect_model(model, override)
     except DiscoveryError:
         from ..discovery.discover import logits_only
 

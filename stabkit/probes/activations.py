@@ -22,6 +22,7 @@ class ActivationProbe(Probe):
     """Writes `act/<path>/rms`, `act/<path>/absmax`, `act/<path>/nonfinite` on sampled steps."""
 
     name = "act"
+    families = frozenset({"act"})
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
@@ -36,7 +37,7 @@ class ActivationProbe(Probe):
         modules = dict(ctx.model.named_modules())
         self.watch_forwards()
         for path in self.paths:
-            self.handles.append(modules[path].register_forward_hook(self._make_hook(path)))
+            self.handles.append(ctx.hooks.forward(self.name, modules[path], self._make_hook(path)))
 
     def _make_hook(self, path: str) -> Any:
         names = (f"act/{path}/rms", f"act/{path}/absmax", f"act/{path}/nonfinite")

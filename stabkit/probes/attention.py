@@ -80,6 +80,7 @@ class AttentionProbe(Probe):
     """Writes `attn/<path>/{max_logit,entropy,min_head_entropy}` (and per head / capped) on sampled steps."""
 
     name = "attn"
+    families = frozenset({"attn"})
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
@@ -115,7 +116,14 @@ class AttentionProbe(Probe):
                 return not (isinstance(m, nn.MultiheadAttention) and _mha_fast_path_possible(m))
 
             scope = attach_scope(
-                ctx.model, [path], functions, outer=False, on_exit=self._on_exit, enabled=sampled
+                ctx.model,
+                [path],
+                functions,
+                outer=False,
+                on_exit=self._on_exit,
+                enabled=sampled,
+                hooks=ctx.hooks,
+                owner=self.name,
             )
             self._scopes.append(scope)
 

@@ -27,6 +27,7 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ModuleSelection, MonitorConfig
 from ..discovery import ModelMap
 from ..discovery.trace import first_tensor_in, tracing
+from ..hooks import HookSet, Registrar
 from ..stats import Recorder
 from .forwards import TrainingForwards
 
@@ -50,13 +51,15 @@ class ProbeContext:
     """The index of the step in progress (completed `Monitor.step` calls so far)."""
     extras: dict[str, Any] = field(default_factory=dict)
     """Shared scratch space between probes (e.g. kept inputs for replay)."""
+    hooks: Registrar = field(default_factory=HookSet)
+    """Where probes register their hooks (the Monitor's `HookSet`: order kept, removed at detach)."""
     forwards: TrainingForwards = field(init=False)
     """Which forward in progress is a training forward (hooks on the model and on the ancestors of
     its blocks and attention modules, installed while a probe uses them)."""
 
     def __post_init__(self) -> None:
         mm = self.model_map
-        self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths])
+        self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths], self.hooks)
 
     def sampled(self, every: int | None = None) -> bool:
         """True when the step in progress is one on which per-layer statistics are taken (never
@@ -71,9 +74,19 @@ class ProbeContext:
 
 
 class Probe:
-    """Base class: keeps hook handles, removes them on detach, and guards hooks with `safe`."""
+    """Base class of a probe plug-in: keeps hook handles, removes them on detach, and guards hooks
+    with `guarded`.
+
+    A probe is one file with one subclass, registered with ``@stabkit.plugins.PROBES.register``; the
+    Monitor builds it when one of its `families` is in `MonitorConfig.families`, calls `attach` once
+    (register hooks through ``ctx.hooks``; record device tensors with ``ctx.recorder.add``),
+    `end_step` at each `Monitor.step` before the step is committed, and `detach` at the end.
+    """
 
     name = "probe"
+    """Registry name (also the owner name of its hooks)."""
+    families: frozenset[str] = frozenset()
+    """The `MonitorConfig.families` it serves: built when any of them is on."""
 
     def __init__(self) -> None:
         self.handles: list[RemovableHandle] = []

@@ -19,6 +19,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..hooks import DIRECT, Registrar
+
 
 def in_backward() -> bool:
     """True while autograd's engine runs a backward pass on this thread: a forward seen now is an
@@ -52,8 +54,9 @@ class TrainingForwards:
     installed while at least one probe uses them (`acquire` / `release`).
     """
 
-    def __init__(self, model: nn.Module, paths: Iterable[str]) -> None:
+    def __init__(self, model: nn.Module, paths: Iterable[str], hooks: Registrar = DIRECT) -> None:
         self.model = model
+        self.hooks = hooks
         self.paths = ancestors(paths)
         self._stack: list[bool] = []
         self._users = 0
@@ -64,8 +67,8 @@ class TrainingForwards:
         if self._users == 0:
             for path in self.paths:
                 module = self.model.get_submodule(path)
-                self._handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
-                self._handles.append(module.register_forward_hook(self._exit, always_call=True))
+                self._handles.append(self.hooks.forward_pre("training-forwards", module, self._enter, prepend=True))
+                self._handles.append(self.hooks.forward("training-forwards", module, self._exit, always_call=True))
         self._users += 1
 
     def release(self) -> None:

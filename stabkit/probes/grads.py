@@ -52,15 +52,16 @@ class GradProbe(Probe):
     update/<unit>/ratio and update/global_ratio."""
 
     name = "grad"
+    families = frozenset({"grad", "param", "update"})
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
         self._param_handles: list[Any] = []
         self._setup(ctx)
         if ctx.optimizer is not None:
-            self.handles.append(ctx.optimizer.register_step_pre_hook(self._pre_step))
+            self.handles.append(ctx.hooks.step_pre(self.name, ctx.optimizer, self._pre_step))
             if self.want_update:
-                self.handles.append(ctx.optimizer.register_step_post_hook(self._post_step))
+                self.handles.append(ctx.hooks.step_post(self.name, ctx.optimizer, self._post_step))
 
     def detach(self) -> None:
         """Remove the hooks (safe twice)."""
@@ -110,7 +111,7 @@ class GradProbe(Probe):
         self.scales = self.dist.norm_scales(self.params)
         if self.want_grad:
             for p in self.params:
-                self._param_handles.append(p.register_post_accumulate_grad_hook(self._on_grad_accumulated))
+                self._param_handles.append(ctx.hooks.grad_accumulated(self.name, p, self._on_grad_accumulated))
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Per parameter, during backward: queue one end-of-backward callback (cheap flag check)."""
@@ -233,6 +234,16 @@ class GradProbe(Probe):
         else:
             rec.add(name, delta / old.clamp_min(1e-12), reduction="max")
 
+    def _record_amp(self, ctx: ProbeContext) -> None:
+        """With an enabled fp16 GradScaler: ``amp/scale`` (after its update) and ``amp/overflow`` (1
+        when it skipped this step's update)."""
+        scaler = ctx.extras.get("scaler")
+        if scaler is None or not scaler.is_enabled():
+            return
+        if scaler._scale is not None:
+            ctx.recorder.add("amp/scale", scaler._scale.clone())  # update() changes it in place
+        ctx.recorder.add("amp/overflow", torch.tensor(float(self.skipped)))
+
     def end_step(self) -> None:
         """At `Monitor.step`: without an optimizer, take grad stats now; then forget this step's norms."""
         ctx = self.ctx
@@ -242,6 +253,7 @@ class GradProbe(Probe):
         had_grads = any(n is not None for n in self._grad_norms)
         self.skipped = ctx.optimizer is not None and had_grads and not self._stepped
         self._stepped = False
+        self._record_amp(ctx)
         self._queued = False  # a backward that raised never ran its callback
         self._grad_norms = [None] * len(self.params)
         if self._watched(ctx) != self._signature:  # unfrozen parameters, a new param group

@@ -20,6 +20,7 @@ class LogitProbe(Probe):
     """Writes `logits/max_abs`, `logits/logz_mean`, `logits/logz_max`."""
 
     name = "logits"
+    families = frozenset({"logits"})
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
@@ -29,7 +30,7 @@ class LogitProbe(Probe):
         self.where = where
         module = ctx.model.get_submodule(where.path)
         self.watch_forwards()
-        self.handles.append(module.register_forward_hook(self._hook))
+        self.handles.append(ctx.hooks.forward(self.name, module, self._hook))
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx

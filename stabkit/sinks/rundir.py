@@ -18,7 +18,8 @@ import re
 import shutil
 from pathlib import Path
 
-LOG_MODES = ("new", "append", "overwrite")
+from ..config import LOG_MODES
+
 """The values `MonitorConfig.logdir_mode` takes."""
 RUN_PREFIX = "run-"
 """Subfolders ``run-<n>`` (n >= 2) hold the later runs of a logdir in mode "new"."""

@@ -67,6 +67,10 @@ class Recorder:
         slot = self._current.get(name)
         return None if slot is None else _finish(slot)
 
+    def current_names(self) -> list[str]:
+        """Names recorded so far in the current step, in the order first recorded."""
+        return list(self._current)
+
     def commit(self, step: int) -> dict[str, torch.Tensor]:
         """Close the current step: its statistics join the pending interval, packed into one 1-d
         tensor per device (one object per step instead of hundreds of 0-d tensors, which cost memory

@@ -42,7 +42,7 @@ def outcome(name: str, intervention: str) -> str:
         before = checks._final(zoo, zoo.forward()).float()
     import stabkit
 
-    stabkit.inspect(zoo.model, example=(zoo.args, zoo.inputs))
+    stabkit.inspect_model(zoo.model, example=(zoo.args, zoo.inputs))
     try:
         handle = apply(zoo.model, intervention, **checks.OPTIONS.get(intervention, {}))
     except InterventionError as exc:

@@ -1,4 +1,4 @@
-"""`stabkit.inspect(model)`: find the Transformer roles of any model and return a ModelMap.
+"""`stabkit.inspect_model(model)`: find the Transformer roles of any model and return a ModelMap.
 
 Runs once, before training (at `attach`, `audit`, `interventions.apply`, or from the CLI).
 It reads module types, names and shapes only; it never touches tensor values.
@@ -34,12 +34,12 @@ OVERRIDE_KEYS = (
 )
 HEAD_NAMES = ("lm_head", "head", "output", "embed_out", "out_head", "classifier", "decoder")
 OVERRIDE_HELP = (
-    "pass a map: stabkit.inspect(model, override={'blocks': 'encoder.layers.*', 'attention': 'attn', "
+    "pass a map: stabkit.inspect_model(model, override={'blocks': 'encoder.layers.*', 'attention': 'attn', "
     "'mlp': 'ffn', 'output_head': 'head'}) or attach(model, ..., model_map=that_map)"
 )
 
 
-def inspect(
+def inspect_model(
     model: nn.Module,
     override: dict[str, Any] | ModelMap | None = None,
     *,
@@ -63,7 +63,7 @@ def inspect(
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
-            f"stabkit.inspect expects a torch.nn.Module, got {type(model).__name__}; "
+            f"stabkit.inspect_model expects a torch.nn.Module, got {type(model).__name__}; "
             "pass the model itself (not its output or state_dict)"
         )
     if isinstance(override, ModelMap):

@@ -1,7 +1,8 @@
 """`DetectConfig`: what the detectors watch, their thresholds, and what happens on an event.
 
-Read once by `stabkit.detectors.install`; never changed afterwards. Defaults come from published
+Read once when a Monitor attaches; never changed afterwards. Defaults come from published
 practice (see each field) and were checked against 2000-step runs of the tiny reference GPT.
+A leaf: it imports only `stabkit.plugins` (for the names of the detectors and actions it accepts).
 """
 
 from __future__ import annotations
@@ -11,17 +12,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-KINDS = ("nonfinite", "spike", "drift")
-"""Event kinds the detectors write."""
-ACTIONS = ("warn", "raise", "skip", "rollback", "dump")
-"""What can happen on an event (several may be combined per kind)."""
+from .plugins import ACTIONS, DETECTORS
+
 
 LossFn = Callable[..., Any]
 """`loss_fn(output, *args, **kwargs) -> scalar loss`: recomputes a step's loss from the model output and inputs."""
 
 
 def _default_actions() -> dict[str, Any]:
-    return {"nonfinite": "warn", "spike": "warn", "drift": "warn"}
+    return {}
 
 
 def _default_min_ratio() -> dict[str, float]:
@@ -46,7 +45,14 @@ class DetectConfig:
     """
 
     actions: dict[str, Any] = field(default_factory=_default_actions)
-    """Per kind ('nonfinite', 'spike', 'drift'): an action or a list of them, from 'warn', 'raise', 'skip', 'rollback', 'dump'."""
+    """Per event kind (a detector's name: 'nonfinite', 'spike', 'drift', 'amp', 'attn_entropy', or a
+    registered plug-in's): an action or a list of them ('warn', 'raise', 'skip', 'rollback', 'dump', or a
+    registered action). Kinds not named warn."""
+    detectors: tuple[str, ...] | None = None
+    """Which detectors run (names in `stabkit.plugins.DETECTORS`); None = every registered one."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Settings of plug-in detectors, by kind: ``{"attn_entropy": {"drop": 0.5}}`` (each detector's
+    `Options` dataclass says what it takes)."""
     sync: bool | None = None
     """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
     they are localized: None = yes on a CPU (it costs nothing there), no on an accelerator (where the
@@ -115,12 +121,25 @@ class DetectConfig:
             raise ValueError(
                 f"DetectConfig.actions must be a dict kind -> action(s), got {type(self.actions).__name__}"
             )
-        unknown = sorted(set(self.actions) - set(KINDS))
+        kinds = DETECTORS.names()
+        unknown = sorted(set(self.actions) - set(kinds))
         if unknown:
-            raise ValueError(f"DetectConfig.actions has unknown kind(s) {unknown}; allowed: {list(KINDS)}")
-        merged = _default_actions()
-        merged.update(self.actions)
-        self.actions = {kind: _normalise_actions(kind, value) for kind, value in merged.items()}
+            raise ValueError(f"DetectConfig.actions has unknown kind(s) {unknown}; allowed: {list(kinds)}")
+        self.actions = {kind: _normalise_actions(kind, self.actions.get(kind, "warn")) for kind in kinds}
+        if self.detectors is not None:
+            if isinstance(self.detectors, str) or not all(isinstance(d, str) for d in self.detectors):
+                raise ValueError("DetectConfig.detectors must be None or a list of detector names")
+            self.detectors = tuple(self.detectors)
+            missing = sorted(set(self.detectors) - set(kinds))
+            if missing:
+                raise ValueError(f"DetectConfig.detectors names unknown detector(s) {missing}; known: {list(kinds)}")
+        if not isinstance(self.options, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in self.options.items()
+        ):
+            raise ValueError('DetectConfig.options must map detector names to dicts, e.g. {"attn_entropy": {"drop": 0.5}}')
+        unknown = sorted(set(self.options) - set(kinds))
+        if unknown:
+            raise ValueError(f"DetectConfig.options names unknown detector(s) {unknown}; known: {list(kinds)}")
         for name in ("spike_window", "score_window", "drift_window", "snapshot_every", "snapshots"):
             _check_int(name, getattr(self, name), 1)
         if self.optimizer_check_every is not None:
@@ -174,9 +193,16 @@ class DetectConfig:
             return self
         return replace(self, sync=device_type == "cpu")
 
+    def runs(self, kind: str) -> bool:
+        """True when the detector of `kind` is switched on (`detectors`, and the older switches
+        `nonfinite` / `drift` for those two kinds)."""
+        if kind == "nonfinite" and not self.nonfinite or kind == "drift" and not self.drift:
+            return False
+        return self.detectors is None or kind in self.detectors
+
     def needs_sync(self, kind: str) -> bool:
         """True when `kind` must be decided every step on the host (an action other than warn)."""
-        acts = self.actions[kind]
+        acts = self.actions.get(kind, ("warn",))
         return any(a != "warn" for a in acts) or (kind == "nonfinite" and bool(self.sync))
 
     @property
@@ -189,7 +215,7 @@ def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:
     acts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else None
     if not acts or not all(isinstance(a, str) and a in ACTIONS for a in acts):
         raise ValueError(
-            f"DetectConfig.actions[{kind!r}] must be one of {list(ACTIONS)} or a list of them, got {value!r}"
+            f"DetectConfig.actions[{kind!r}] must be one of {list(ACTIONS.names())} or a list of them, got {value!r}"
         )
     return tuple(dict.fromkeys(acts))
 

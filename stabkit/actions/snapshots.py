@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .nonfinite import nonfinite_any
+from ..stats.finite import nonfinite_flag
 
 
 @dataclass
@@ -79,7 +79,7 @@ class SnapshotStore:
                 if state:
                     opt[i] = {k: (self._copy(v), getattr(v, "device", None)) for k, v in state.items()}
         copies = model + [v for st in opt.values() for v, _ in st.values() if isinstance(v, torch.Tensor)]
-        bad = nonfinite_any(copies)
+        bad = nonfinite_flag(copies)
         if bad is not None and bool(bad):  # sync point (once per snapshot)
             return None
         snap = Snapshot(step, model, opt)

@@ -1,0 +1,123 @@
+"""The 'attn_entropy' kind: attention entropy collapse — a head's attention turning (nearly) one-hot
+fast and staying there.
+
+Zhai et al. 2023 (σReparam) tie training instability to *entropy collapse*: the entropy of the
+attention rows, Ent(A_i) = −Σ_j A_ij log A_ij, falls towards 0, and a lower bound on it falls
+exponentially with the spectral norm of the logits (ViT-22B saw near-zero entropy at divergence).
+Heads that learn a sharp pattern (previous token, first token) also end up with low entropy, but
+slowly; a collapse is a *fall* — so the rule needs both, on ``attn/<module>/min_head_entropy``
+(the attention probe's lowest per-head mean entropy, in nats, on sampled steps):
+
+    collapse ⇔ the last `persist` values are all ≤ `low`
+             and, in the `window` values before them, the series stood at ≥ `healthy`
+             and fell by at least the fraction `drop` of that high point.
+
+One event per collapse: the series re-arms once it climbs back above `healthy`. Runs when the
+detectors consume values (see `stabkit.detectors.base`). Pure Python; checkpointable.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ..events import Event
+from ..plugins import DETECTORS
+from .advice import Advice
+from .base import Detector, DetectorContext, Observation
+
+
+@dataclass(frozen=True)
+class EntropyOptions:
+    """`DetectConfig.options["attn_entropy"]`."""
+
+    low: float = 0.3
+    """Collapsed: min head entropy at or below this many nats (0 = one-hot; 0.3 nats ≈ 1.3 keys)."""
+    healthy: float = 1.0
+    """The series must have stood at or above this many nats within `window` before the fall."""
+    drop: float = 0.7
+    """... and fallen by at least this fraction of that high point."""
+    window: int = 8
+    """Values (sampled steps) before the low run in which the fall must happen ("fast")."""
+    persist: int = 3
+    """Consecutive values at or below `low` ("staying low")."""
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.low < self.healthy:
+            raise ValueError(f"need 0 <= low < healthy, got low={self.low}, healthy={self.healthy}")
+        if not 0 < self.drop < 1:
+            raise ValueError(f"drop must be in (0, 1), got {self.drop}")
+        for name in ("window", "persist"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+@DETECTORS.register
+class EntropyCollapseDetector(Detector):
+    """Entropy collapse per attention module, from ``attn/<module>/min_head_entropy``."""
+
+    kind = "attn_entropy"
+    watches = ("attn/*/min_head_entropy",)
+    advice = {
+        "attn_entropy_collapse": Advice(
+            "attention entropy collapses (a head turns one-hot fast)",
+            ("qk_norm", "attn_softcap"),
+            "the attention logits grew: normalise q and k (ViT-22B) or soft-cap the logits at 50 (Gemma 2); "
+            "σReparam bounds the logits' spectral norm (Zhai et al. 2023); lowering the LR also helps",
+        ),
+    }
+
+    def __init__(self, ctx: DetectorContext) -> None:
+        super().__init__(ctx)
+        self.options = ctx.options(self.kind, EntropyOptions)
+        self.recent: dict[str, deque[float]] = {}
+        """Per series, the last `window + persist` values."""
+        self.armed: dict[str, bool] = {}
+
+    def observe(self, step: int, values: Mapping[str, float]) -> Observation:
+        """An event for each series that has just collapsed."""
+        events = []
+        o = self.options
+        for name, x in values.items():
+            if x != x:  # NaN: the non-finite detector's business
+                continue
+            recent = self.recent.setdefault(name, deque(maxlen=o.window + o.persist))
+            recent.append(x)
+            if x >= o.healthy:
+                self.armed[name] = True
+            tail = list(recent)[-o.persist :]
+            before = list(recent)[: -o.persist]
+            if not self.armed.get(name, True) or len(tail) < o.persist or not before:
+                continue
+            high = max(before)
+            if max(tail) <= o.low and high >= o.healthy and x <= (1 - o.drop) * high:
+                self.armed[name] = False
+                events.append(self._event(step, name, x, high, len(before)))
+        return Observation(events)
+
+    def _event(self, step: int, name: str, x: float, high: float, span: int) -> Event:
+        module = name.removeprefix("attn/").removesuffix("/min_head_entropy")
+        o = self.options
+        return Event(
+            step,
+            self.kind,
+            module,
+            x,
+            o.low,
+            f"attention entropy collapsed in {module}: its lowest head entropy fell from {high:.3g} to "
+            f"{x:.3g} nats within {span + o.persist} sampled steps and stayed ≤ {o.low:g} for {o.persist}",
+            details={"series": name, "high": high, "low": o.low, "module": module},
+        )
+
+    def state_dict(self) -> dict[str, Any]:
+        """The recent values and arming of each series."""
+        return {"recent": {k: list(v) for k, v in self.recent.items()}, "armed": dict(self.armed)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output."""
+        size = self.options.window + self.options.persist
+        self.recent = {k: deque(v, maxlen=size) for k, v in state.get("recent", {}).items()}
+        self.armed = dict(state.get("armed", {}))

@@ -1,0 +1,127 @@
+"""`HookSet`: every hook stabkit puts on the user's model and optimizer goes through the Monitor's one
+HookSet, which keeps the handles in registration order, removes them all at detach and can list them
+(`Monitor.describe_hooks()`).
+
+When it runs: plug-ins call it at attach (and the grad probe again when parameters are unfrozen);
+the hooks themselves run inside the user's forward, backward and `optimizer.step()`.
+
+Order at attach (the Monitor registers in this order, so hooks of the same event run in it too):
+1. the Monitor's input guard (forward pre-hook on the root: refuses an empty batch);
+2. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention): their
+   forward hooks and the gradient probe's optimizer step pre-/post-hooks;
+3. the detectors' step guard (root forward pre-/post-hooks), tracer (with ``per_module``) and the
+   decider's optimizer step pre-/post-hooks — after the gradient probe's, so the step's gradient
+   norm is recorded before it is judged;
+4. integrations (e.g. the Hugging Face callback's loss hook), through `Monitor.hooks`.
+
+`Registrar` is the same interface without bookkeeping, for code that changes the model on
+purpose (interventions) rather than observing it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+
+class Registrar:
+    """Registers hooks directly (the interface `HookSet` keeps track of)."""
+
+    def _keep(self, owner: str, what: str, handle: RemovableHandle) -> RemovableHandle:
+        return handle
+
+    def forward_pre(
+        self,
+        owner: str,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        with_kwargs: bool = False,
+    ) -> RemovableHandle:
+        """`module.register_forward_pre_hook`."""
+        handle = module.register_forward_pre_hook(fn, prepend=prepend, with_kwargs=with_kwargs)
+        return self._keep(owner, f"forward pre-hook on {type(module).__name__}", handle)
+
+    def forward(
+        self,
+        owner: str,
+        module: nn.Module,
+        fn: Callable[..., Any],
+        *,
+        prepend: bool = False,
+        with_kwargs: bool = False,
+        always_call: bool = False,
+    ) -> RemovableHandle:
+        """`module.register_forward_hook`."""
+        handle = module.register_forward_hook(
+            fn, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
+        )
+        return self._keep(owner, f"forward hook on {type(module).__name__}", handle)
+
+    def backward_pre(self, owner: str, module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
+        """`module.register_full_backward_pre_hook`."""
+        handle = module.register_full_backward_pre_hook(fn)
+        return self._keep(owner, f"backward pre-hook on {type(module).__name__}", handle)
+
+    def backward(self, owner: str, module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
+        """`module.register_full_backward_hook`."""
+        handle = module.register_full_backward_hook(fn)
+        return self._keep(owner, f"backward hook on {type(module).__name__}", handle)
+
+    def gradient(self, owner: str, param: torch.Tensor, fn: Callable[..., Any]) -> RemovableHandle:
+        """`param.register_hook` (runs when the gradient w.r.t. `param` is computed)."""
+        return self._keep(owner, "gradient hook on a parameter", param.register_hook(fn))
+
+    def grad_accumulated(self, owner: str, param: torch.Tensor, fn: Callable[..., Any]) -> RemovableHandle:
+        """`param.register_post_accumulate_grad_hook` (runs after `.grad` was updated)."""
+        handle = param.register_post_accumulate_grad_hook(fn)
+        return self._keep(owner, "post-accumulate-grad hook on a parameter", handle)
+
+    def step_pre(self, owner: str, optimizer: Any, fn: Callable[..., Any]) -> RemovableHandle:
+        """`optimizer.register_step_pre_hook`."""
+        return self._keep(owner, "optimizer step pre-hook", optimizer.register_step_pre_hook(fn))
+
+    def step_post(self, owner: str, optimizer: Any, fn: Callable[..., Any]) -> RemovableHandle:
+        """`optimizer.register_step_post_hook`."""
+        return self._keep(owner, "optimizer step post-hook", optimizer.register_step_post_hook(fn))
+
+
+DIRECT = Registrar()
+"""Hooks registered with no bookkeeping (model changes such as interventions)."""
+
+
+class HookSet(Registrar):
+    """The Monitor's hooks: kept in registration order, removed together (`remove`, safe twice)."""
+
+    def __init__(self) -> None:
+        self._handles: list[tuple[str, str, RemovableHandle]] = []
+
+    def _keep(self, owner: str, what: str, handle: RemovableHandle) -> RemovableHandle:
+        self._handles.append((owner, what, handle))
+        return handle
+
+    def describe(self) -> list[str]:
+        """'owner: what' per registration, in order (hooks removed since then included)."""
+        counts: dict[tuple[str, str], int] = {}
+        for owner, what, _ in self._handles:
+            counts[(owner, what)] = counts.get((owner, what), 0) + 1
+        return [f"{owner}: {what}" + (f" ×{n}" if n > 1 else "") for (owner, what), n in counts.items()]
+
+    def owners(self) -> list[str]:
+        """Owners in the order they first registered a hook."""
+        return list(dict.fromkeys(owner for owner, _, _ in self._handles))
+
+    def remove(self, owner: str | None = None) -> None:
+        """Remove the hooks of `owner` (every hook when None). Removing a handle twice is harmless."""
+        kept = []
+        for entry in self._handles:
+            if owner is None or entry[0] == owner:
+                entry[2].remove()
+            else:
+                kept.append(entry)
+        self._handles = kept

@@ -1,0 +1,67 @@
+"""The one place that asks "does this hold NaN/Inf?": on the device (a 0-d flag, no host sync) or
+on the host (a bool, one sync, used only once something was already found).
+
+Used by the non-finite checks (gradients, parameters and optimizer state after an update), the
+per-module tracer, replay, rollback snapshots and the GradScaler check. Runs wherever they run.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from ..distributed.context import local
+
+
+def floating_tensors(obj: Any, depth: int = 0) -> list[torch.Tensor]:
+    """The non-empty floating-point tensors inside `obj` (tensor, tuple/list, dict/ModelOutput), two
+    levels deep."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() and obj.numel() > 0 else []
+    if depth > 2:
+        return []
+    if isinstance(obj, tuple | list):
+        return [t for item in obj for t in floating_tensors(item, depth + 1)]
+    if isinstance(obj, dict):
+        return [t for item in obj.values() for t in floating_tensors(item, depth + 1)]
+    return []
+
+
+def nonfinite_flag(tensors: Iterable[torch.Tensor], *, ignore_neginf: bool = False) -> torch.Tensor | None:
+    """0-d bool device tensor: some floating tensor holds NaN or ±Inf (None when there is none). No
+    host sync.
+
+    `ignore_neginf`: −Inf does not count (additive attention masks hold it): the max of each
+    tensor is checked for NaN/+Inf. Otherwise on CUDA one fused max-norm per (device, dtype) group
+    (`torch._foreach_norm(ord=inf)`: exact); elsewhere a float32 sum per tensor (NaN and ±Inf
+    propagate; the CPU max-norm kernel is ~15× slower): only values near 1e32 could overflow a
+    finite tensor's sum into a false alarm. FSDP2 DTensors are read through this rank's shard.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        t = local(t)  # FSDP2 DTensor: this rank's shard
+        if t.is_floating_point() and t.numel() > 0:
+            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+    flags = []
+    for (device, _), group in groups.items():
+        if ignore_neginf:
+            top = torch.stack([t.amax().float() for t in group])  # NaN if any NaN, +Inf if any +Inf
+            flags.append((torch.isnan(top) | torch.isposinf(top)).any())
+            continue
+        if device.type == "cuda":
+            reduced = torch.stack(torch._foreach_norm(group, float("inf")))
+        else:
+            reduced = torch.stack([t.sum(dtype=torch.float32) for t in group])
+        flags.append(~torch.isfinite(reduced).all())
+    if not flags:
+        return None
+    first = flags[0].device
+    return torch.stack([f.to(first) for f in flags]).any()
+
+
+def is_nonfinite(tensor: torch.Tensor) -> bool:
+    """Host answer for one tensor (exact: `isfinite`). Syncs: call it only after a flag fired."""
+    t = local(tensor)
+    return t.is_floating_point() and not bool(torch.isfinite(t.detach()).all())  # sync point (on a hit only)
