@@ -14,7 +14,6 @@ from typing import Any
 
 from .plugins import ACTIONS, DETECTORS
 
-
 LossFn = Callable[..., Any]
 """`loss_fn(output, *args, **kwargs) -> scalar loss`: recomputes a step's loss from the model output and inputs."""
 
@@ -132,14 +131,20 @@ class DetectConfig:
             self.detectors = tuple(self.detectors)
             missing = sorted(set(self.detectors) - set(kinds))
             if missing:
-                raise ValueError(f"DetectConfig.detectors names unknown detector(s) {missing}; known: {list(kinds)}")
+                raise ValueError(
+                    f"DetectConfig.detectors names unknown detector(s) {missing}; known: {list(kinds)}"
+                )
         if not isinstance(self.options, dict) or not all(
             isinstance(k, str) and isinstance(v, dict) for k, v in self.options.items()
         ):
-            raise ValueError('DetectConfig.options must map detector names to dicts, e.g. {"attn_entropy": {"drop": 0.5}}')
+            raise ValueError(
+                'DetectConfig.options must map detector names to dicts, e.g. {"attn_entropy": {"drop": 0.5}}'
+            )
         unknown = sorted(set(self.options) - set(kinds))
         if unknown:
-            raise ValueError(f"DetectConfig.options names unknown detector(s) {unknown}; known: {list(kinds)}")
+            raise ValueError(
+                f"DetectConfig.options names unknown detector(s) {unknown}; known: {list(kinds)}"
+            )
         for name in ("spike_window", "score_window", "drift_window", "snapshot_every", "snapshots"):
             _check_int(name, getattr(self, name), 1)
         if self.optimizer_check_every is not None:
@@ -196,7 +201,7 @@ class DetectConfig:
     def runs(self, kind: str) -> bool:
         """True when the detector of `kind` is switched on (`detectors`, and the older switches
         `nonfinite` / `drift` for those two kinds)."""
-        if kind == "nonfinite" and not self.nonfinite or kind == "drift" and not self.drift:
+        if (kind == "nonfinite" and not self.nonfinite) or (kind == "drift" and not self.drift):
             return False
         return self.detectors is None or kind in self.detectors
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-EVENT_KINDS = ("nonfinite", "spike", "drift", "amp")
-
 
 @dataclass
 class Event:
@@ -15,7 +13,8 @@ class Event:
     step: int
     """Training step (0-based count of completed `Monitor.step` calls) the event belongs to."""
     kind: str
-    """'nonfinite', 'spike', 'drift' or 'amp'."""
+    """The detector that decided it (`stabkit.plugins.DETECTORS`): 'nonfinite', 'spike', 'drift', 'amp',
+    'attn_entropy', or a plug-in's kind."""
     where: str
     """Metric name or module path that caused it."""
     value: float

@@ -44,7 +44,6 @@ InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str,
 """What `attach(..., interventions=...)` takes: names, (name, options) pairs, or {name: options}."""
 
 
-
 def build_probes(config: MonitorConfig) -> list[Probe]:
     """One instance of every registered probe that serves a family in `config.families`, in order."""
     return [cls() for cls in PROBES.classes() if set(cls.families) & config.families]

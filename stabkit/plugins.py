@@ -53,12 +53,12 @@ class Registry(Generic[T]):
                 f"{getattr(cls, '__name__', cls)!r} has {name!r}"
             )
         current = self._entries.get(name)
-        if current is not None and not isinstance(current, str) and current is not cls:
-            if getattr(current, "__qualname__", None) != getattr(cls, "__qualname__", None):
-                raise ValueError(
-                    f"stabkit: a {self.family} named {name!r} is already registered ({current!r}); "
-                    f"pick another {self._name_attr} or call unregister({name!r}) first"
-                )
+        same = getattr(current, "__qualname__", None) == getattr(cls, "__qualname__", None)
+        if current is not None and not isinstance(current, str) and not same:
+            raise ValueError(
+                f"stabkit: a {self.family} named {name!r} is already registered ({current!r}); "
+                f"pick another {self._name_attr} or call unregister({name!r}) first"
+            )
         self._entries[name] = cls
         if self._on_register is not None:
             self._on_register(cls)

@@ -115,7 +115,7 @@ def test_heads_not_dividing() -> None:
     assert f.where == ["transformer.h.0.attn", "transformer.h.1.attn"] and f.evidence["d_model"] == 30
     assert absent(audit(NanoGPT()), "heads_not_dividing")
     model = reference_gpt()  # 4 heads; a map that says 3 kv heads does not divide them
-    mmap = inspect(model, override={"n_kv_heads": 3, "blocks": "blocks.*"})
+    mmap = inspect_model(model, override={"n_kv_heads": 3, "blocks": "blocks.*"})
     assert only(audit(model, model_map=mmap), "heads_not_dividing").evidence["n_kv_heads"] == 3
 
 

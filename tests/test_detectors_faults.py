@@ -196,7 +196,9 @@ def rigs() -> dict[str, Rig]:
 def test_backward_replay_with_a_loss_closure_instead_of_a_kept_gradient() -> None:
     targets: dict[str, torch.Tensor] = {}
     rig = Rig(reference_gpt, loss_fn=lambda out, idx: lm_loss(out, targets["y"]))
-    assert rig.handle.watch is not None and not rig.handle.watch.guard.keep_grad  # nothing output-sized is kept
+    assert (
+        rig.handle.watch is not None and not rig.handle.watch.guard.keep_grad
+    )  # nothing output-sized is kept
     rig.step()
     s = rig.mon.global_step
     targets["y"] = batch(s)[1]

@@ -21,7 +21,9 @@ class Rollback(Action):
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)
         c = ctx.config
-        self.snapshots = SnapshotStore(ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device)
+        self.snapshots = SnapshotStore(
+            ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device
+        )
 
     def before_update(self, step: int) -> None:
         if self.snapshots.due(step):

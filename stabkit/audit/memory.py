@@ -15,7 +15,7 @@ from ..discovery import ModelMap
 from .context import AuditContext
 from .format import markdown_table
 
-KINDS = ("embedding", "attention", "mlp", "norm", "head", "other")
+PARAM_KINDS = ("embedding", "attention", "mlp", "norm", "head", "other")
 
 
 @dataclass
@@ -174,7 +174,7 @@ def _kv_dtype(ctx: AuditContext) -> torch.dtype:
 
 def summarize(ctx: AuditContext) -> MemorySummary:
     """Count parameters by kind and dtype (tied weights once) and size the KV cache."""
-    summary = MemorySummary(params={k: {"count": 0, "bytes": {}} for k in KINDS})
+    summary = MemorySummary(params={k: {"count": 0, "bytes": {}} for k in PARAM_KINDS})
     for name, p in ctx.model.named_parameters():  # remove_duplicate=True: tied weights once
         entry = summary.params[param_kind(ctx, name)]
         nbytes = p.numel() * p.element_size()

@@ -10,6 +10,7 @@ dropped (`quiet_after`).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -24,7 +25,7 @@ class AmpDetector(Detector):
     kind = "amp"
     watches = ("amp/overflow", "amp/scale")
     quiet_after = ("nonfinite",)
-    advice = {
+    advice: ClassVar[dict[str, Advice]] = {
         "amp_overflow": Advice(
             "the fp16 GradScaler skipped a step",
             (),

@@ -32,7 +32,7 @@ from .advice import Advice
 if TYPE_CHECKING:
     from ..discovery import ModelMap
 
-O = TypeVar("O")
+OptionsT = TypeVar("OptionsT")
 
 
 @dataclass(frozen=True)
@@ -86,7 +86,7 @@ class DetectorContext:
                 return b
         return None
 
-    def options(self, kind: str, options_class: type[O]) -> O:
+    def options(self, kind: str, options_class: type[OptionsT]) -> OptionsT:
         """`DetectConfig.options[kind]` as `options_class` (a dataclass); a clear error names a bad key."""
         given = dict(self.config.options.get(kind, {}))
         known = {f.name for f in fields(options_class)}  # type: ignore[arg-type]

@@ -23,12 +23,11 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import numpy as np
-
-from collections.abc import Mapping
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -70,7 +69,7 @@ class DriftDetector(Detector):
     """Watches the drift series of one model (named from its attention modules and blocks)."""
 
     kind = "drift"
-    advice = {
+    advice: ClassVar[dict[str, Advice]] = {
         "attn_logit_growth": Advice(
             "max attention logit keeps growing",
             ("qk_norm", "attn_softcap"),

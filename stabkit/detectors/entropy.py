@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -61,7 +61,7 @@ class EntropyCollapseDetector(Detector):
 
     kind = "attn_entropy"
     watches = ("attn/*/min_head_entropy",)
-    advice = {
+    advice: ClassVar[dict[str, Advice]] = {
         "attn_entropy_collapse": Advice(
             "attention entropy collapses (a head turns one-hot fast)",
             ("qk_norm", "attn_softcap"),

@@ -41,7 +41,9 @@ class Judge:
         cfg = self.ctx.config
         return [k for k in self.detectors if per_step is None or cfg.needs_sync(k) == per_step]
 
-    def wanted(self, names: Iterable[str], kinds: Iterable[str], before_update: bool | None = None) -> list[str]:
+    def wanted(
+        self, names: Iterable[str], kinds: Iterable[str], before_update: bool | None = None
+    ) -> list[str]:
         """The names some detector of `kinds` reads (only those judged before / after the update when
         `before_update` is given), in the given order."""
         dets = [self.detectors[k] for k in kinds]
@@ -71,7 +73,9 @@ class Judge:
             events += [self.advise(e) for e in seen.events if not self.redundant(e, det)]
         return events, extra
 
-    def rows(self, rows: list[tuple[int, dict[str, float]]], kinds: Iterable[str] | None = None) -> list[Event]:
+    def rows(
+        self, rows: list[tuple[int, dict[str, float]]], kinds: Iterable[str] | None = None
+    ) -> list[Event]:
         """Judge each (step, row) in order; extra series are added to the rows. Returns the events."""
         events: list[Event] = []
         chosen = list(self.kinds() if kinds is None else kinds)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
+from typing import ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -22,7 +23,7 @@ class NonfiniteDetector(Detector):
     """Advice for non-finite events (decided on the device by `stabkit.detectors.watch.NonfiniteWatch`)."""
 
     kind = "nonfinite"
-    advice = {
+    advice: ClassVar[dict[str, Advice]] = {
         "nonfinite_attention": Advice(
             "NaN/Inf produced inside attention",
             ("qk_norm", "attn_softcap"),

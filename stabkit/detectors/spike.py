@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -63,7 +63,7 @@ class SpikeDetector(Detector):
 
     kind = "spike"
     before_update = ("grad/*",)
-    advice = {
+    advice: ClassVar[dict[str, Advice]] = {
         "early_grad_blowup_post": Advice(
             "gradient-norm spike in an early block of a post-norm model",
             ("norm_placement",),
@@ -111,7 +111,11 @@ class SpikeDetector(Detector):
         if name.startswith("grad/"):
             block = self.ctx.block_of(name[5:].rsplit("/", 1)[0])
             early = block is not None and block.index < max(1, len(self.ctx.blocks) // 2)
-            return "early_grad_blowup_post" if early and block is not None and block.placement == "post" else "grad_spike"
+            return (
+                "early_grad_blowup_post"
+                if early and block is not None and block.placement == "post"
+                else "grad_spike"
+            )
         return "loss_spike"
 
     def update(self, step: int, name: str, x: float) -> tuple[Event | None, float | None]:

@@ -84,7 +84,9 @@ class NonfiniteWatch:
         self.recorder.add(name, value, combine="max", reduction="max")
 
     # ------------------------------------------------------------------ before the update
-    def flag(self, step: int, value: Callable[[str], torch.Tensor | None], record: bool) -> torch.Tensor | None:
+    def flag(
+        self, step: int, value: Callable[[str], torch.Tensor | None], record: bool
+    ) -> torch.Tensor | None:
         """0-d device flag: this step is non-finite so far (None when nothing could be checked)."""
         origin: Origin | None = None
         if self.tracer is not None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..config import MonitorConfig
 from ..events import Event
@@ -36,6 +36,9 @@ class RankEventEcho:
     def write_event(self, event: Event) -> None:
         if event.kind == "nonfinite":
             print(f"[stabkit rank {self.rank}] {event}", file=self.stream or sys.stderr, flush=True)
+
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Records are for the JSONL log: nothing to do here."""
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """Texts are written by rank 0."""

@@ -30,7 +30,7 @@ from .handle import Handle, InterventionError
 from .mha import patch_mha
 
 NAME = "qk_norm"
-KINDS = ("rmsnorm", "layernorm")
+NORM_KINDS = ("rmsnorm", "layernorm")
 
 
 class HeadNorm(nn.Module):
@@ -82,8 +82,8 @@ def apply_qk_norm(
     """
     from ..models.layers import Attention as StabkitAttention
 
-    if kind not in KINDS:
-        raise InterventionError(NAME, "", f"kind must be one of {KINDS}, got {kind!r}")
+    if kind not in NORM_KINDS:
+        raise InterventionError(NAME, "", f"kind must be one of {NORM_KINDS}, got {kind!r}")
     if eps is not None and not (isinstance(eps, float | int) and eps > 0):
         raise InterventionError(
             NAME, "", f"eps must be None (the block norms' eps) or a positive number, got {eps!r}"

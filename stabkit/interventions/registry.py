@@ -17,7 +17,7 @@ from torch import nn
 
 from .handle import Handle, InterventionError, active_interventions, remember
 from .placement import PLACEMENTS, apply_norm_placement
-from .qknorm import KINDS, apply_qk_norm
+from .qknorm import NORM_KINDS, apply_qk_norm
 from .rmsnorm import apply_rmsnorm
 from .softcap import apply_attn_softcap, apply_logit_softcap
 from .zloss import apply_z_loss
@@ -53,7 +53,7 @@ REGISTRY: dict[str, InterventionSpec] = {
         apply_qk_norm,
         {"kind": "rmsnorm", "eps": None},
         "per-head norm of queries and keys (learnable gain, before RoPE) to bound attention logits",
-        {"kind": KINDS},
+        {"kind": NORM_KINDS},
     ),
     "attn_softcap": InterventionSpec(
         apply_attn_softcap,

@@ -67,8 +67,12 @@ class TrainingForwards:
         if self._users == 0:
             for path in self.paths:
                 module = self.model.get_submodule(path)
-                self._handles.append(self.hooks.forward_pre("training-forwards", module, self._enter, prepend=True))
-                self._handles.append(self.hooks.forward("training-forwards", module, self._exit, always_call=True))
+                self._handles.append(
+                    self.hooks.forward_pre("training-forwards", module, self._enter, prepend=True)
+                )
+                self._handles.append(
+                    self.hooks.forward("training-forwards", module, self._exit, always_call=True)
+                )
         self._users += 1
 
     def release(self) -> None:

@@ -111,7 +111,9 @@ class GradProbe(Probe):
         self.scales = self.dist.norm_scales(self.params)
         if self.want_grad:
             for p in self.params:
-                self._param_handles.append(ctx.hooks.grad_accumulated(self.name, p, self._on_grad_accumulated))
+                self._param_handles.append(
+                    ctx.hooks.grad_accumulated(self.name, p, self._on_grad_accumulated)
+                )
 
     def _on_grad_accumulated(self, param: torch.Tensor) -> None:
         """Per parameter, during backward: queue one end-of-backward callback (cheap flag check)."""

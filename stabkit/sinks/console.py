@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import sys
-from typing import TextIO
+from typing import Any, TextIO
 
 from ..events import Event
 
@@ -45,6 +45,9 @@ class ConsoleSink:
 
     def write_event(self, event: Event) -> None:
         self._print(f"[stabkit] {event}")
+
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Records are for the JSONL log: nothing to do here."""
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """Texts (audit reports) are not echoed on the console."""

@@ -33,6 +33,9 @@ class Sink(Protocol):
     def write_metrics(self, step: int, values: dict[str, float]) -> None: ...
     def write_event(self, event: Event) -> None: ...
     def write_text(self, tag: str, text: str, step: int = 0) -> None: ...
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Structured data (e.g. the audit report): sinks that keep records write it, others ignore it."""
+
     def flush(self) -> None: ...
     def close(self) -> None: ...
 
@@ -159,12 +162,11 @@ class SinkSet:
             self._call(sink, "write_event", event)
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
-        """Structured data for the JSONL log only."""
+        """Structured data (the JSONL log keeps it; TensorBoard and the console ignore it)."""
         if self.closed:
             return
-        for sink in self.files:
-            if isinstance(sink, JsonlSink):
-                self._call(sink, "write_record", kind, data)
+        for sink in self._all():
+            self._call(sink, "write_record", kind, data)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         if self.closed:

@@ -83,6 +83,9 @@ class TensorBoardSink:
         self.writer.add_text(f"events/{event.kind}", str(event), event.step)
         self.writer.flush()
 
+    def write_record(self, kind: str, data: dict[str, Any]) -> None:
+        """Records are for the JSONL log: nothing to do here."""
+
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """Free text (audit report, active interventions)."""
         self.writer.add_text(tag, text, step)
