@@ -75,7 +75,7 @@ class StabkitCallback(TrainerCallback):
         mon = self.session.start(model, optimizer, Path(args.output_dir or ".") / "stabkit")
         averaged = getattr(args, "average_tokens_across_devices", False) and process_group_active()
         self._world_scale = dist.get_world_size() if averaged else 1
-        self._hook = mon.model.register_forward_hook(self._keep_loss, with_kwargs=True)
+        self._hook = mon.hooks.forward("hf-callback", mon.model, self._keep_loss, with_kwargs=True)
 
     def _keep_loss(self, module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> None:
         """Forward hook: keep a training forward's loss (device tensor, no sync)."""
