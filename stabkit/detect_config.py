@@ -210,11 +210,6 @@ class DetectConfig:
         acts = self.actions.get(kind, ("warn",))
         return any(a != "warn" for a in acts) or (kind == "nonfinite" and bool(self.sync))
 
-    @property
-    def wants_rollback(self) -> bool:
-        """True when some kind rolls back (snapshots are taken only then)."""
-        return any("rollback" in acts for acts in self.actions.values())
-
 
 def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:
     acts = (value,) if isinstance(value, str) else tuple(value) if isinstance(value, Sequence) else None

@@ -166,7 +166,6 @@ class Monitor:
         self.detectors: DetectorSet | None = None
         """The detectors and actions, installed after the probes; None when `MonitorConfig.detect` is None."""
         self.audit_report: Any = None
-        self._input_guard: Any = None
         self._pending: list[Any] | None = None
         self.sinks = rank_sinks(self.logdir, self.config, self.dist)  # only rank 0 writes under DDP/FSDP
         if self.sinks.logdir is not None:  # a run-<n> subfolder when the logdir already held a run
@@ -239,7 +238,7 @@ class Monitor:
         self.context.extras["scaler"] = self.scaler
         self.context.extras["dist"] = self.dist
         self.probes = build_probes(cfg)
-        self._input_guard = self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
+        self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
                 probe.attach(self.context)

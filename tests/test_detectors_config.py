@@ -43,7 +43,6 @@ def test_actions_are_normalised_and_decide_the_timing() -> None:
     }
     assert cfg.needs_sync("nonfinite") and not cfg.needs_sync("spike")
     assert DetectConfig(sync=True).needs_sync("nonfinite")
-    assert not DetectConfig().wants_rollback and DetectConfig(actions={"drift": "rollback"}).wants_rollback
     assert cfg.min_ratio("loss") == 1.5 and cfg.min_ratio("grad/blocks.3/norm") == 5.0
     assert cfg.min_ratio("update/head/ratio") == 2.0 and cfg.min_ratio("other") == 1.0
 

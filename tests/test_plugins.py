@@ -100,7 +100,9 @@ def test_a_user_detector_and_action_run_through_attach(user_plugins: object, per
     model = reference_gpt()
     opt = torch.optim.SGD(model.parameters(), lr=0.0)
     actions = ["count", "raise"] if per_step else ["warn"]
-    cfg = stabkit.MonitorConfig(console=False, log_every=4, detect=DetectConfig(actions={"loss_above": actions}))
+    cfg = stabkit.MonitorConfig(
+        console=False, log_every=4, detect=DetectConfig(actions={"loss_above": actions})
+    )
     mon = stabkit.attach(model, opt, config=cfg)
     x = torch.randint(0, 64, (2, 8))
     raised = None
@@ -128,5 +130,7 @@ def test_probes_are_built_from_the_registry_by_family() -> None:
     with stabkit.attach(model, config=cfg) as mon:
         assert [p.name for p in mon.probes] == ["grad"]
     full = stabkit.attach(model, config=stabkit.MonitorConfig(console=False, detect=None))
-    assert [p.name for p in full.probes] == [n for n in PROBES.names() if n in ("act", "logits", "grad", "attn")]
+    assert [p.name for p in full.probes] == [
+        n for n in PROBES.names() if n in ("act", "logits", "grad", "attn")
+    ]
     full.detach()

@@ -17,7 +17,6 @@ K_NAMES = ("k_proj", "key", "k", "wk", "to_k", "k_lin", "key_proj")
 V_NAMES = ("v_proj", "value", "v", "wv", "to_v", "v_lin", "value_proj")
 QKV_NAMES = ("c_attn", "qkv", "qkv_proj", "Wqkv", "query_key_value", "in_proj", "wqkv")
 OUT_NAMES = ("o_proj", "out_proj", "c_proj", "proj", "wo", "dense", "o", "to_out", "out_lin", "output")
-MLP_NAMES = ("mlp", "ffn", "feed_forward", "ff", "mlp_block", "feedforward", "fc")
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "num_attention_heads", "nhead", "n_heads_q")
 KV_ATTRS = ("n_kv_heads", "num_key_value_heads", "num_kv_heads", "n_kv_head", "n_head_kv")
 ATTN_PATTERN = re.compile(r"attn|attention", re.IGNORECASE)
@@ -167,11 +166,6 @@ def derive_shapes(root: nn.Module, amap: AttentionMap) -> None:
         amap.n_kv_heads = k_width // amap.head_dim
     if amap.n_kv_heads is None:
         amap.n_kv_heads = amap.n_heads
-
-
-def find_mlp(block: nn.Module) -> str | None:
-    """Relative path of the MLP module inside `block`."""
-    return child(block, MLP_NAMES)
 
 
 def block_norms(block: nn.Module, prefix: str, position: str = "pre") -> list[NormMap]:
