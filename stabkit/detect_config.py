@@ -50,8 +50,8 @@ class DetectConfig:
     detectors: tuple[str, ...] | None = None
     """Which detectors run (names in `stabkit.plugins.DETECTORS`); None = every registered one."""
     options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Settings of plug-in detectors, by kind: ``{"attn_entropy": {"drop": 0.5}}`` (each detector's
-    `Options` dataclass says what it takes)."""
+    """Settings of plug-in detectors and actions, by name: ``{"attn_entropy": {"drop": 0.5}, "rescue":
+    {"lr_factor": 0.5}}`` (each plug-in's options dataclass says what it takes)."""
     sync: bool | None = None
     """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
     they are localized: None = yes on a CPU (it costs nothing there), no on an accelerator (where the
@@ -140,10 +140,11 @@ class DetectConfig:
             raise ValueError(
                 'DetectConfig.options must map detector names to dicts, e.g. {"attn_entropy": {"drop": 0.5}}'
             )
-        unknown = sorted(set(self.options) - set(kinds))
+        known = [*kinds, *ACTIONS.names()]
+        unknown = sorted(set(self.options) - set(known))
         if unknown:
             raise ValueError(
-                f"DetectConfig.options names unknown detector(s) {unknown}; known: {list(kinds)}"
+                f"DetectConfig.options names unknown detector(s) or action(s) {unknown}; known: {known}"
             )
         for name in ("spike_window", "score_window", "drift_window", "snapshot_every", "snapshots"):
             _check_int(name, getattr(self, name), 1)

@@ -139,6 +139,7 @@ ACTIONS: Registry[Any] = Registry(
         "skip": "stabkit.actions.skip:Skip",
         "rollback": "stabkit.actions.rollback:Rollback",
         "dump": "stabkit.actions.dump:Dump",
+        "rescue": "stabkit.actions.rescue:Rescue",
     },
     "name",
 )

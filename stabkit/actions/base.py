@@ -45,6 +45,8 @@ class ActionContext:
     """The folder the monitor writes to (a ``run-<n>`` subfolder when the logdir held a run)."""
     metrics: Callable[[], dict[str, float]]
     """The newest logged host value of every metric."""
+    report: Callable[[Event], None] = lambda event: None
+    """Record an event of the action's own (e.g. 'rescue') and write it to the sinks at once."""
 
 
 class Action:
@@ -64,3 +66,10 @@ class Action:
 
     def before_update(self, step: int) -> None:
         """In the step pre-hook of a step on which no event acted (after its checks passed)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Plain state for a checkpoint (`Monitor.state_dict`); {} = stateless."""
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output."""

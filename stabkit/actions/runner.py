@@ -9,6 +9,7 @@ the rest (raise 90).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from ..events import Event
 from ..plugins import ACTIONS
@@ -28,6 +29,16 @@ class ActionRunner:
     def get(self, name: str) -> Action | None:
         """The instance of action `name`, when the config uses it."""
         return self.actions.get(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The state of every action that keeps some, by name."""
+        return {name: state for name, action in self.actions.items() if (state := action.state_dict())}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output (actions not used now are ignored)."""
+        for name, action_state in state.items():
+            if name in self.actions:
+                self.actions[name].load_state_dict(action_state)
 
     def before_update(self, step: int) -> None:
         """Step pre-hook of a step on which no event acted: each action's periodic work."""

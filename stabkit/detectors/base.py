@@ -124,6 +124,9 @@ class Detector:
     advice: ClassVar[dict[str, Advice]] = {}
     """Its rows of the advice table (`stabkit list advice`), by signature."""
 
+    # An event may say where the trouble began in ``details["since"]`` (a step): the 'rescue' action
+    # rolls back to a snapshot from at or before it.
+
     def __init__(self, ctx: DetectorContext) -> None:
         self.ctx = ctx
         self._wants: dict[str, bool] = {}

@@ -194,6 +194,7 @@ class DriftDetector(Detector):
             "family": rule.family,
             "window_steps": span,
             "slope": slope,
+            "since": s.window[0][0],
         }
         if rule.space == "log":
             what = f"grew {1 + change:.2f}× over the last {span:.0f} steps (robust slope > 0) to {last:.4g}"

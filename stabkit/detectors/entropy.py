@@ -73,8 +73,8 @@ class EntropyCollapseDetector(Detector):
     def __init__(self, ctx: DetectorContext) -> None:
         super().__init__(ctx)
         self.options = ctx.options(self.kind, EntropyOptions)
-        self.recent: dict[str, deque[float]] = {}
-        """Per series, the last `window + persist` values."""
+        self.recent: dict[str, deque[tuple[int, float]]] = {}
+        """Per series, the last `window + persist` (step, value) pairs."""
         self.armed: dict[str, bool] = {}
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
@@ -85,20 +85,22 @@ class EntropyCollapseDetector(Detector):
             if x != x:  # NaN: the non-finite detector's business
                 continue
             recent = self.recent.setdefault(name, deque(maxlen=o.window + o.persist))
-            recent.append(x)
+            recent.append((step, x))
             if x >= o.healthy:
                 self.armed[name] = True
-            tail = list(recent)[-o.persist :]
-            before = list(recent)[: -o.persist]
+            tail = [v for _, v in list(recent)[-o.persist :]]
+            earlier = list(recent)[: -o.persist]
+            before = [v for _, v in earlier]
             if not self.armed.get(name, True) or len(tail) < o.persist or not before:
                 continue
             high = max(before)
             if max(tail) <= o.low and high >= o.healthy and x <= (1 - o.drop) * high:
                 self.armed[name] = False
-                events.append(self._event(step, name, x, high, len(before)))
+                since = max(s for s, v in earlier if v >= o.healthy)  # the last step still healthy
+                events.append(self._event(step, name, x, high, len(before), since))
         return Observation(events)
 
-    def _event(self, step: int, name: str, x: float, high: float, span: int) -> Event:
+    def _event(self, step: int, name: str, x: float, high: float, span: int, since: int) -> Event:
         module = name.removeprefix("attn/").removesuffix("/min_head_entropy")
         o = self.options
         return Event(
@@ -109,7 +111,7 @@ class EntropyCollapseDetector(Detector):
             o.low,
             f"attention entropy collapsed in {module}: its lowest head entropy fell from {high:.3g} to "
             f"{x:.3g} nats within {span + o.persist} sampled steps and stayed ≤ {o.low:g} for {o.persist}",
-            details={"series": name, "high": high, "low": o.low, "module": module},
+            details={"series": name, "high": high, "low": o.low, "module": module, "since": since},
         )
 
     def state_dict(self) -> dict[str, Any]:
@@ -119,5 +121,8 @@ class EntropyCollapseDetector(Detector):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output."""
         size = self.options.window + self.options.persist
-        self.recent = {k: deque(v, maxlen=size) for k, v in state.get("recent", {}).items()}
+        self.recent = {
+            k: deque(((int(s), float(v)) for s, v in pairs), maxlen=size)
+            for k, pairs in state.get("recent", {}).items()
+        }
         self.armed = dict(state.get("armed", {}))

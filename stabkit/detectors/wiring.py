@@ -97,6 +97,7 @@ class DetectorSet:
                 forwards=lambda: watch.guard.forwards if watch is not None else [],
                 logdir=wiring.logdir,
                 metrics=wiring.metrics,
+                report=wiring.report,
             ),
             wiring.report,
         )
@@ -147,11 +148,13 @@ class DetectorSet:
         for rollback are in-memory only and not included."""
         state = self.judge.state_dict()
         state["nonfinite_open"] = self.watch.open if self.watch is not None else False
+        state["actions"] = self.actions.state_dict()
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what `state_dict()` returned."""
         self.judge.load_state_dict(state)
+        self.actions.load_state_dict(state.get("actions", {}))
         if self.watch is not None:
             self.watch.open = bool(state.get("nonfinite_open", False))
 
