@@ -51,24 +51,22 @@ _SUBMODULES = frozenset(
         "bench",
         "cli",
         "config",
-        "data",
         "detectors",
         "discovery",
         "distributed",
         "events",
+        "harness",
         "integrations",
         "interventions",
         "lifecycle",
-        "models",
         "monitor",
         "probes",
-        "recipes",
         "sinks",
         "stats",
-        "training",
     }
 )
-"""Subpackages reachable as attributes after a bare ``import stabkit`` (e.g. ``stabkit.models.GPT``)."""
+"""Subpackages reachable as attributes after a bare ``import stabkit`` (e.g. ``stabkit.harness.models.GPT``,
+``stabkit.interventions``)."""
 
 
 def __getattr__(name: str) -> Any:

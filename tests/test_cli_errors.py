@@ -20,14 +20,16 @@ import stabkit.cli.run_cmd
 import stabkit.cli.sweep_cmd  # registers the commands
 from stabkit.cli import main
 from stabkit.cli.run_cmd import header
-from stabkit.recipes import load_recipe
+from stabkit.harness.recipes import load_recipe
+from stabkit.harness.recipes.loader import builtin_dir
 
 BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.demo_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = (ROOT / "recipes" / "attention-logit-growth.toml").read_text()
+BUILTIN = builtin_dir()
+RECIPE = (BUILTIN / "attention-logit-growth.toml").read_text()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from stabkit.models import PRESET_BATCH, PRESETS
-from stabkit.recipes import RecipeError, list_recipe_files, load_recipe
-from stabkit.recipes.loader import SOURCE_RECIPES, read_toml
+from stabkit.harness.models import PRESET_BATCH, PRESETS
+from stabkit.harness.recipes import RecipeError, list_recipe_files, load_recipe
+from stabkit.harness.recipes.loader import builtin_dir, read_toml
 
-SHIPPED = sorted(p.stem for p in SOURCE_RECIPES.glob("*.toml"))
+SHIPPED = sorted(p.stem for p in builtin_dir().glob("*.toml"))
 REQUIRED = {
     "attention-logit-growth",
     "output-logit-divergence",
@@ -51,7 +51,7 @@ def test_the_required_recipes_ship() -> None:
 
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_recipe_loads_for_each_size_it_defines(name: str) -> None:
-    path = SOURCE_RECIPES / f"{name}.toml"
+    path = builtin_dir() / f"{name}.toml"
     sizes = {"tiny", *read_toml(path).get("sizes", {})}
     for size in sizes:
         recipe = load_recipe(path, size)
@@ -63,7 +63,7 @@ def test_every_recipe_loads_for_each_size_it_defines(name: str) -> None:
 
 
 def test_tiny_presets_match_the_measured_cpu_proxy() -> None:
-    r = load_recipe(SOURCE_RECIPES / "attention-logit-growth.toml", "tiny")
+    r = load_recipe(builtin_dir() / "attention-logit-growth.toml", "tiny")
     m, t = r.model, r.train
     assert (m.d_model, m.n_layers, m.n_heads, m.context) == (64, 2, 4, 64)
     assert (t.steps, t.warmup, t.lr, t.betas, t.eps, t.clip) == (300, 15, 0.1, (0.9, 0.95), 1e-8, 1.0)

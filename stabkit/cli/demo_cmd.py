@@ -22,10 +22,10 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     import torch
 
     from ..config import MonitorConfig
-    from ..data import load_corpus
-    from ..models import GPT, PRESET_BATCH, preset_config
+    from ..harness.data import load_corpus
+    from ..harness.models import GPT, PRESET_BATCH, preset_config
     from ..monitor import attach
-    from ..training import TrainConfig, train
+    from ..harness.training import TrainConfig, train
 
     folder = writable_dir(logdir, "--logdir")
     torch.set_num_threads(1)

@@ -21,7 +21,7 @@ from pathlib import Path
 import click
 import torch
 
-from ..recipes.signals import SigtermStop
+from ..harness.recipes.signals import SigtermStop
 from .app import UserInputError
 from .progress import MultiProgress
 from .run_cmd import exit_code, header, print_results
@@ -45,7 +45,7 @@ def run_as_rank(recipe: object, device: str, out_dir: Path, original: int | None
     import torch.distributed as dist
 
     from ..distributed import init_from_env
-    from ..recipes import Recipe, run_recipe
+    from ..harness.recipes import Recipe, run_recipe
 
     assert isinstance(recipe, Recipe)
     if device == "cuda":

@@ -14,7 +14,7 @@ from typing import Any
 
 import click
 
-from ..models.presets import PRESETS
+from ..harness.models.presets import PRESETS
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
 
@@ -90,7 +90,7 @@ def steps_note(steps: int, original: int) -> str:
 
 def header(recipe: object, device: str, jobs: int, original_steps: int | None, ddp: int = 0) -> str:
     """One paragraph on what is about to run (`ddp`: processes per variant, when data-parallel)."""
-    from ..recipes import Recipe
+    from ..harness.recipes import Recipe
 
     assert isinstance(recipe, Recipe)
     procs = (
@@ -150,8 +150,8 @@ def run_command(
     import torch
 
     from ..distributed import launched_by_torchrun
-    from ..recipes import load_recipe, preflight, run_recipe
-    from ..recipes.ddp import check_split
+    from ..harness.recipes import load_recipe, preflight, run_recipe
+    from ..harness.recipes.ddp import check_split
     from .nproc import relaunch, run_as_rank
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
@@ -193,7 +193,7 @@ def run_command(
 
 def print_results(summary: dict[str, Any], out_dir: Path) -> None:
     """The results table, the verdicts, notes and where the logs are."""
-    from ..recipes.report import footer, results_table, verdict_lines
+    from ..harness.recipes.report import footer, results_table, verdict_lines
 
     notes = sorted({n for r in summary["variants"].values() for n in r.get("notes", [])})
     click.echo("")

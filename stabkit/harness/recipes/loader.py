@@ -1,14 +1,15 @@
 """Find a recipe file, read its TOML, merge the chosen size's table over it, and parse it.
 
-Runs once, when a command starts. A recipe is named by a path (``recipes/loss-spike.toml``) or by
-its bare name (``loss-spike``), looked up in ``./recipes`` and in the ``recipes/`` folder next to
-the stabkit sources (a source checkout or editable install).
+Runs once, when a command starts. A recipe is named by a path (``my-recipe.toml``) or by its bare
+name (``loss-spike``), looked up in ``./recipes`` and among the built-ins, which ship inside the
+package (``stabkit/harness/recipes/builtin``, so a wheel install has them).
 """
 
 from __future__ import annotations
 
 import math
 import sys
+from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,23 +25,39 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-"""The shortest training text `stabkit.data.ByteCorpus` accepts."""
-SOURCE_RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-"""The recipes shipped with a source checkout."""
+BUILTIN_PACKAGE = "stabkit.harness.recipes"
+BUILTIN_FOLDER = "builtin"
+"""The built-in recipes ship as package data: ``stabkit/harness/recipes/builtin/*.toml``."""
+USER_FOLDER = "recipes"
+"""A ``./recipes`` folder in the working directory: recipes found there by bare name come first."""
+
+
+def builtin_dir() -> Path:
+    """The folder of the built-in recipes (package data, so a wheel install has them too)."""
+    return Path(str(resources.files(BUILTIN_PACKAGE).joinpath(BUILTIN_FOLDER)))
+
+
+def builtin_recipes() -> dict[str, Path]:
+    """Built-in recipe name -> its file."""
+    return {p.stem: p for p in sorted(builtin_dir().glob("*.toml"))}
 
 
 def recipe_dirs() -> list[Path]:
-    """Folders searched for recipes by bare name, in order."""
-    dirs = [Path.cwd() / "recipes", SOURCE_RECIPES]
+    """Folders searched for recipes by bare name, in order: ``./recipes``, then the built-ins."""
     out: list[Path] = []
-    for d in dirs:
+    for d in (Path.cwd() / USER_FOLDER, builtin_dir()):
         if d.is_dir() and d.resolve() not in [o.resolve() for o in out]:
             out.append(d)
     return out
 
 
 def find_recipe(spec: str | Path) -> Path:
-    """The recipe file for a path or a bare name; FileNotFoundError listing what exists otherwise."""
+    """The recipe file for a path or a bare name (``./recipes/<name>.toml``, else a built-in).
+
+    A path that does not exist but reads like an old command (``recipes/<name>.toml``, from before
+    the built-ins moved into the package) names the built-in of that name. Otherwise
+    FileNotFoundError, one line, with the names that exist.
+    """
     path = Path(spec)
     if path.is_file():
         return path
@@ -49,6 +66,9 @@ def find_recipe(spec: str | Path) -> Path:
             candidate = d / f"{path.name}.toml"
             if candidate.is_file():
                 return candidate
+    builtin = builtin_recipes()
+    if path.suffix == ".toml" and path.parent.name == USER_FOLDER and path.stem in builtin:
+        return builtin[path.stem]
     known = ", ".join(sorted(p.stem for p in list_recipe_files())) or "none found"
     raise FileNotFoundError(f"recipe {str(spec)!r} not found (a .toml path or one of: {known})")
 

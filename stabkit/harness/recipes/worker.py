@@ -26,13 +26,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..config import MonitorConfig
+from ...config import MonitorConfig
 from ..data import load_corpus
-from ..detectors import DetectConfig
-from ..distributed import DistContext
-from ..interventions import Handle
+from ...detectors import DetectConfig
+from ...distributed import DistContext
+from ...interventions import Handle
 from ..models import GPT, PRESET_BATCH
-from ..monitor import Monitor, attach
+from ...monitor import Monitor, attach
 from ..training import train
 from . import ddp as ddp_mod
 from .depth import depth_sweep
@@ -203,7 +203,7 @@ def build_model(
 ) -> tuple[nn.Module, Handle | None]:
     """The recipe's GPT built with `seed` (same weights for every variant), interventions applied
     (their handle, None without interventions). Build the optimizer afterwards: new gains train."""
-    from ..interventions import apply_many
+    from ...interventions import apply_many
 
     torch.manual_seed(seed)
     model = GPT(recipe.model)

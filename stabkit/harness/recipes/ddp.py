@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..data import ByteCorpus
-from ..distributed import DistContext, process_group_active, shard_rows
+from ...distributed import DistContext, process_group_active, shard_rows
 from ..models import PRESET_BATCH
 from .recipe import Recipe
 

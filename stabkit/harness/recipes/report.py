@@ -12,8 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ..sinks import LOG_NAME, read_jsonl
-from ..sinks.rundir import run_folders
+from ...sinks import LOG_NAME, read_jsonl
+from ...sinks.rundir import run_folders
 from .measures import best_smoothed, monitored, tail_mean
 from .runner import SUMMARY
 

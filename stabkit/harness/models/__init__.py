@@ -1,14 +1,14 @@
 """The reference GPT the recipes train, its config and size presets.
 
-The names below load with their submodule on first use (PEP 562): `stabkit.models.presets` and
-`stabkit.models.config` (plain data) can be read without importing torch.
+The names below load with their submodule on first use (PEP 562): `stabkit.harness.models.presets` and
+`stabkit.harness.models.config` (plain data) can be read without importing torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_names
+from ...lazy import lazy_names
 
 if TYPE_CHECKING:
     from .config import GPTConfig

@@ -1,6 +1,6 @@
 """`Check`: one criterion of a recipe ("max attention logit > 1e3", "val loss 0.1 below the baseline").
 
-Parsed once when a recipe is loaded; evaluated by `stabkit.recipes.verdict` after the variants ran.
+Parsed once when a recipe is loaded; evaluated by `stabkit.harness.recipes.verdict` after the variants ran.
 A check reads one number per variant — a run quantity (`RUN_QUANTITIES`, `SWEEP_QUANTITIES`) or a
 monitored metric aggregated over the logged steps — optionally relative to another variant, and
 compares it with a threshold.

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..data import ByteCorpus
-from ..monitor import Monitor
+from ...monitor import Monitor
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Configuration of the reference GPT (`stabkit.models.GPT`).
+"""Configuration of the reference GPT (`stabkit.harness.models.GPT`).
 
 The config is read once, when the model is built; every variant switch a recipe needs
 (norm placement, norm kind, MLP kind, positions, QK-norm, soft caps, GQA) lives here.

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from ..monitor import Monitor
+from ...monitor import Monitor
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
 from .schema import FaultSpec
 

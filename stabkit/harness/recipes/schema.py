@@ -1,6 +1,6 @@
 """The parts of a recipe, as dataclasses, and their parsing from TOML tables with validation.
 
-A recipe is parsed once (`stabkit.recipes.loader.load_recipe`), after the size's ``[sizes.<name>]``
+A recipe is parsed once (`stabkit.harness.recipes.loader.load_recipe`), after the size's ``[sizes.<name>]``
 table has been merged over the top level; every unknown key and out-of-range value raises a
 `RecipeError` naming the key (``train.lr``) and what is allowed.
 """
@@ -21,7 +21,7 @@ FAULT_KINDS = ("nan", "inf", "bad_batch")
 
 @dataclass
 class TrainSpec:
-    """Optimizer, schedule and length (the fields of `stabkit.training.TrainConfig`, plus precision)."""
+    """Optimizer, schedule and length (the fields of `stabkit.harness.training.TrainConfig`, plus precision)."""
 
     steps: int = 300
     """Optimizer steps."""

@@ -5,14 +5,14 @@
 judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
 
 The names below load with their submodule on first use (PEP 562): listing and reading recipe files
-(`stabkit.recipes.loader`) does not import torch.
+(`stabkit.harness.recipes.loader`) does not import torch.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..lazy import lazy_names
+from ...lazy import lazy_names
 
 if TYPE_CHECKING:
     from .checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check

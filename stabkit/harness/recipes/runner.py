@@ -20,10 +20,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ..distributed import SINGLE, DistContext
-from ..sinks.fanout import reason
-from ..sinks.jsonl import json_safe
-from ..sinks.rundir import clear_logs
+from ...distributed import SINGLE, DistContext
+from ...sinks.fanout import reason
+from ...sinks.jsonl import json_safe
+from ...sinks.rundir import clear_logs
 from .checks import Check
 from .pool import execute
 from .recipe import Recipe
@@ -197,7 +197,7 @@ def preflight(recipe: Recipe) -> None:
     each variant's interventions, and check that the fault's module exists. Raises ValueError."""
     import torch
 
-    from ..interventions import InterventionError, apply_many
+    from ...interventions import InterventionError, apply_many
     from ..models import GPT
 
     for variant in recipe.variants:

@@ -1,7 +1,7 @@
 """`Recipe` and `VariantSpec`: a whole stress test, resolved for one size, and its parsing.
 
 `parse_recipe` runs once per load, on the TOML document with the chosen ``[sizes.<name>]`` table
-already merged over the top level (`stabkit.recipes.loader`).
+already merged over the top level (`stabkit.harness.recipes.loader`).
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Recipe:
 
 def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
     """{name: {option: value}} checked against the intervention registry."""
-    from ..interventions import REGISTRY
+    from ...interventions import REGISTRY
 
     t = table(raw, where, tuple(REGISTRY))
     out: dict[str, dict[str, Any]] = {}
@@ -143,7 +143,7 @@ def check_detect(raw: Any, where: str) -> dict[str, Any]:
     """Detector settings; checked against `stabkit.detectors.DetectConfig` when the detectors are installed."""
     t = table(raw, where, tuple(raw) if isinstance(raw, dict) else ())
     try:
-        from ..detectors import DetectConfig
+        from ...detectors import DetectConfig
     except ImportError:
         return t
     try:
