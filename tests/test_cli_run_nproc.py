@@ -24,8 +24,8 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 from stabkit.cli import main
-from stabkit.harness.data import load_corpus
 from stabkit.distributed import DistContext
+from stabkit.harness.data import load_corpus
 from stabkit.harness.recipes import load_recipe, run_recipe
 from stabkit.harness.recipes.ddp import RankRows
 from stabkit.harness.recipes.worker import Job, run_job

@@ -7,8 +7,8 @@ import torch
 
 import stabkit
 from stabkit.harness.data import load_corpus
-from stabkit.interventions import qk_norm_logit_bounds
 from stabkit.harness.models import GPT, preset_config
+from stabkit.interventions import qk_norm_logit_bounds
 
 
 def run(

@@ -24,8 +24,8 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     from ..config import MonitorConfig
     from ..harness.data import load_corpus
     from ..harness.models import GPT, PRESET_BATCH, preset_config
-    from ..monitor import attach
     from ..harness.training import TrainConfig, train
+    from ..monitor import attach
 
     folder = writable_dir(logdir, "--logdir")
     torch.set_num_threads(1)

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..data import ByteCorpus
 from ...distributed import DistContext, process_group_active, shard_rows
+from ..data import ByteCorpus
 from ..models import PRESET_BATCH
 from .recipe import Recipe
 

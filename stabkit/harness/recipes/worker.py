@@ -27,12 +27,12 @@ import torch
 from torch import nn
 
 from ...config import MonitorConfig
-from ..data import load_corpus
 from ...detectors import DetectConfig
 from ...distributed import DistContext
 from ...interventions import Handle
-from ..models import GPT, PRESET_BATCH
 from ...monitor import Monitor, attach
+from ..data import load_corpus
+from ..models import GPT, PRESET_BATCH
 from ..training import train
 from . import ddp as ddp_mod
 from .depth import depth_sweep

@@ -14,8 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..data import ByteCorpus
 from ...monitor import Monitor
+from ..data import ByteCorpus
 
 
 @dataclass
