@@ -161,3 +161,85 @@ def test_data_path_is_relative_to_the_recipe_and_cli_data_wins(tmp_path: Path) -
     assert load_recipe(path).data == str((tmp_path / "my.txt").resolve())
     (tmp_path / "elsewhere.txt").write_text("y" * 2000)  # --data is checked at load too: it must exist
     assert load_recipe(path, data=str(tmp_path / "elsewhere.txt")).data == str(tmp_path / "elsewhere.txt")
+
+
+# ---- built-in recipes: package data, found by name, old paths still work
+
+
+def test_builtin_recipes_are_package_data() -> None:
+    from importlib import resources
+
+    folder = resources.files("stabkit.harness.recipes").joinpath("builtin")
+    names = {p.name for p in folder.iterdir() if p.name.endswith(".toml")}
+    assert names >= {f"{n}.toml" for n in REQUIRED}
+    assert builtin_dir().samefile(str(folder))
+
+
+def test_a_bare_name_finds_the_builtin_from_any_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stabkit.harness.recipes.loader import find_recipe
+
+    monkeypatch.chdir(tmp_path)  # no ./recipes here: the package data answers
+    assert find_recipe("attention-logit-growth") == builtin_dir() / "attention-logit-growth.toml"
+    assert load_recipe("loss-spike").name == "loss-spike"
+
+
+def test_a_local_recipes_folder_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stabkit.harness.recipes.loader import find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipes").mkdir()
+    mine = write(tmp_path / "recipes", BASE, "loss-spike.toml")
+    assert find_recipe("loss-spike").resolve() == mine.resolve()
+    assert find_recipe("recipes/loss-spike.toml").resolve() == mine.resolve()  # an existing path is that file
+
+
+def test_an_old_style_path_names_the_builtin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stabkit.harness.recipes.loader import find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    old = "recipes/attention-logit-growth.toml"  # the pre-package-data command line
+    assert not (tmp_path / old).exists()
+    assert find_recipe(old) == builtin_dir() / "attention-logit-growth.toml"
+    assert load_recipe(old).name == "attention-logit-growth"
+    with pytest.raises(FileNotFoundError, match="elsewhere/attention-logit-growth.toml"):
+        find_recipe("elsewhere/attention-logit-growth.toml")  # only the old folder name falls back
+
+
+def test_an_unknown_name_lists_the_builtins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stabkit.harness.recipes.loader import find_recipe
+
+    monkeypatch.chdir(tmp_path)
+    for spec in ("no-such-recipe", "recipes/no-such-recipe.toml"):
+        with pytest.raises(FileNotFoundError) as info:
+            find_recipe(spec)
+        message = str(info.value)
+        assert "\n" not in message and spec in message
+        assert all(name in message for name in REQUIRED)
+
+
+def test_a_wheel_contains_the_builtin_recipes(tmp_path: Path) -> None:
+    """Build a wheel from a copy of the sources (no network: the installed setuptools) and list it."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    pytest.importorskip("setuptools")
+    pytest.importorskip("wheel")
+    root = Path(__file__).resolve().parents[1]
+    src = tmp_path / "src"
+    shutil.copytree(root / "stabkit", src / "stabkit", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(root / name, src / name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
+         "-w", str(tmp_path / "dist")],
+        capture_output=True, text=True, timeout=300, check=False, cwd=src,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        pytest.skip(f"cannot build a wheel here: {proc.stderr.strip()[-300:]}")
+    (wheel,) = (tmp_path / "dist").glob("stabkit-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    assert {f"stabkit/harness/recipes/builtin/{n}.toml" for n in REQUIRED} <= names

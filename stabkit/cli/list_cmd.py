@@ -43,7 +43,7 @@ def recipes_text() -> str:
         for size, spec in (doc.get("sizes") or {}).items():
             if isinstance(spec, dict) and spec.get("expect"):
                 lines.append(f"    {size}: {spec['expect']}")
-    return "\n".join(lines) or "no recipes found (looked in ./recipes and next to the stabkit sources)"
+    return "\n".join(lines) or "no recipes found (looked in ./recipes and among the built-ins)"
 
 
 def _norm_params(cfg: GPTConfig, width: int) -> int:

@@ -1,10 +1,11 @@
 """`stabkit run RECIPE --nproc N`: each variant trains with DDP on N local processes.
 
 `relaunch` runs in the process the user started: it starts ``torchrun --standalone
---nproc_per_node N -m stabkit run ...`` (the same command without ``--nproc``) and turns the
-summary into the exit code. `run_as_rank` runs in each rank (also under a torchrun the user
-started): it joins the process group and runs the variants one after another, each on all ranks;
-rank 0 alone shows progress, prints the table and writes the logs and summary.json.
+--nproc_per_node N -m stabkit run ...`` (the same command without ``--nproc``), waits, and says
+how it ended (`Relaunched`). `rank_group` and `rank_should_stop` run in each rank (also under a
+torchrun the user started): join the process group, and agree on stopping when asked; the
+variants then run one after another, each on all ranks (`run_recipe` with the rank's context).
+The CLI shows progress and results on rank 0 and turns the outcome into an exit code.
 """
 
 from __future__ import annotations
@@ -16,15 +17,16 @@ import signal
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-import click
 import torch
 
-from ..harness.recipes.signals import SigtermStop
-from .app import UserInputError
-from .progress import MultiProgress
-from .run_cmd import exit_code, header, print_results
+from ..distributed import DistContext
+from .recipes.signals import SigtermStop
 
 RELAUNCHED = "STABKIT_RUN_NPROC_PARENT"
 """Set by `stabkit run --nproc N` in the environment of the ranks it starts: rank 0 then exits 0
@@ -34,25 +36,43 @@ STOP_FILE = "STABKIT_RUN_STOP_FILE"
 """Path the parent of the ranks creates on Ctrl-C; the ranks check it after each step."""
 
 
-def run_as_rank(recipe: object, device: str, out_dir: Path, original: int | None) -> int:
-    """One rank of a data-parallel run (under torchrun); returns the exit code.
+def relaunched() -> bool:
+    """True in a rank started by `relaunch` (its parent reports the outcome)."""
+    return bool(os.environ.get(RELAUNCHED))
 
-    Joins the process group (gloo on CPU, NCCL on cuda:LOCAL_RANK), runs every variant with DDP on
-    all ranks, and destroys the group at the end. A stop request (SIGINT from the terminal or from
-    torchrun, or the stop file of `relaunch`) is agreed by the ranks at the next step, so the logs
-    flush and the summary says it is partial.
-    """
+
+def rank_device(device: str) -> str:
+    """This rank's device: ``cuda:LOCAL_RANK`` for cuda; on the CPU one torch thread per rank."""
+    if device == "cuda":
+        return f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
+    torch.set_num_threads(1)
+    return device
+
+
+@contextmanager
+def rank_group(device: str) -> Iterator[DistContext]:
+    """Join the process group of this torchrun rank (gloo on CPU, NCCL on cuda:LOCAL_RANK; `device`
+    as `rank_device` gives it), and leave it at the end: every rank waits for the others (rank 0
+    writing and printing) before the group is destroyed. ValueError when distributed is off."""
     import torch.distributed as dist
 
     from ..distributed import init_from_env
-    from ..harness.recipes import Recipe, run_recipe
 
-    assert isinstance(recipe, Recipe)
-    if device == "cuda":
-        device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-    else:
-        torch.set_num_threads(1)
     ctx = init_from_env(device)
+    try:
+        if not ctx.active:
+            raise ValueError("torchrun started several processes but STABKIT_DISTRIBUTED is off")
+        yield ctx
+        dist.barrier()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def rank_should_stop() -> Callable[[], bool]:
+    """A `should_stop` for this rank: SIGINT (from the terminal or from torchrun) or the stop file
+    of `relaunch`. The ranks agree on it at the next step, so the logs flush and the summary says
+    it is partial."""
     stop = threading.Event()
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     stop_file = os.environ.get(STOP_FILE)
@@ -60,35 +80,23 @@ def run_as_rank(recipe: object, device: str, out_dir: Path, original: int | None
     def should_stop() -> bool:
         return stop.is_set() or (stop_file is not None and os.path.exists(stop_file))
 
-    try:
-        if not ctx.active:
-            raise UserInputError("torchrun started several processes but STABKIT_DISTRIBUTED is off")
-        bars = MultiProgress([v.name for v in recipe.variants], recipe.train.steps) if ctx.writes else None
-        if ctx.writes:
-            click.echo(header(recipe, device, 1, original, ddp=ctx.world_size))
-        try:
-            summary = run_recipe(
-                recipe,
-                out_dir,
-                device=device,
-                dist=ctx,
-                on_progress=bars.update if bars else None,
-                should_stop=should_stop,
-            )
-        finally:
-            if bars is not None:
-                bars.close()
-        if ctx.writes:
-            print_results(summary, out_dir)
-        dist.barrier()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    return 0 if os.environ.get(RELAUNCHED) else exit_code(summary)
+    return should_stop
 
 
-def relaunch(nproc: int, args: list[str], out_dir: Path) -> int:
-    """Run `stabkit ARGS` on `nproc` processes under torchrun and wait; returns the exit code.
+@dataclass
+class Relaunched:
+    """How a `relaunch` ended."""
+
+    returncode: int
+    """torchrun's exit code."""
+    summary: dict[str, Any] | None
+    """``summary.json`` as rank 0 left it (None: not written or unreadable)."""
+    stopped_by: str | None = None
+    """"SIGINT" (Ctrl-C) or "SIGTERM" when this process was asked to stop, else None."""
+
+
+def relaunch(nproc: int, args: list[str], out_dir: Path) -> Relaunched:
+    """Run `stabkit ARGS` on `nproc` processes under torchrun and wait.
 
     torchrun (which starts each rank in a session of its own) runs in its own session too, so a
     Ctrl-C reaches this process only. The first one (or a SIGTERM) creates the stop file the ranks
@@ -125,8 +133,5 @@ def relaunch(nproc: int, args: list[str], out_dir: Path) -> int:
         summary = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
         summary = None
-    if interrupted:
-        return 143 if term.hit else 130
-    if code != 0 or summary is None:
-        return code or 1
-    return exit_code(summary)
+    stopped_by = ("SIGTERM" if term.hit else "SIGINT") if interrupted else None
+    return Relaunched(code, summary, stopped_by)
