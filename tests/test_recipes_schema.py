@@ -112,7 +112,7 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
         ),
         (BASE.replace("[sizes.gpt2]", "[sizes.huge]"), "sizes.huge", "allowed: tiny, small, gpt2, 1b"),
         (BASE + "\n[model]\nd_modle = 3\n", "model.d_modle", "d_model"),
-        (BASE + "\n[model]\nn_heads = 5\n", "model", "must divide d_model"),
+        (BASE + "\n[model]\nn_heads = 5\n", "model.n_heads", "must divide d_model"),
         (BASE.replace("lr = 0.1", 'lr = 0.1\nprecision = "fp8"'), "train.precision", "fp32, bf16, fp16"),
         (
             BASE.replace("[variants.baseline]", '[variants.baseline]\nrole = "boss"'),
@@ -126,7 +126,7 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
         ),
         (BASE + '\n[fault]\nkind = "nan"\nstep = 40\n', "fault.step", "below train.steps = 40"),
         (BASE + '\n[fault]\nkind = "meteor"\nstep = 4\n', "fault.kind", "nan, inf, bad_batch"),
-        (BASE + "\n[detect]\nspike_sigma = -1\n", "detect", "spike_sigma"),
+        (BASE + "\n[detect]\nspike_sigma = -1\n", "detect.spike_sigma", "must be a number > 0"),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(
@@ -243,3 +243,82 @@ def test_a_wheel_contains_the_builtin_recipes(tmp_path: Path) -> None:
     (wheel,) = (tmp_path / "dist").glob("stabkit-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
     assert {f"stabkit/harness/recipes/builtin/{n}.toml" for n in REQUIRED} <= names
+
+
+# ---- the one table -> dataclass loader (stabkit.tables.fill) behind every recipe table
+
+
+@pytest.mark.parametrize(
+    ("table", "key", "problem"),
+    [
+        ({"stepz": 3}, "train.stepz", "unknown key; allowed: steps, batch_size, lr"),
+        ({"steps": "many"}, "train.steps", "must be an integer >= 1, got 'many'"),
+        ({"steps": True}, "train.steps", "must be an integer >= 1, got True"),
+        ({"steps": 0}, "train.steps", "must be an integer >= 1, got 0"),
+        ({"lr": 0}, "train.lr", "must be a number in (0, inf), got 0"),
+        ({"betas": [0.9]}, "train.betas", "must be an array of 2 values"),
+        ({"betas": [0.9, 1.0]}, "train.betas[1]", "must be a number in [0, 1), got 1.0"),
+        ({"clip": -1.0}, "train.clip", 'must be a number in (0, inf) or "none", got -1.0'),
+        ({"precision": "fp8"}, "train.precision", "must be one of fp32, bf16, fp16, got 'fp8'"),
+        ({"batch_size": 5000}, "train.batch_size", "set train.grad_accum"),
+    ],
+)
+def test_fill_names_section_key_and_what_is_allowed(table: dict[str, object], key: str, problem: str) -> None:
+    from stabkit.harness.training import TrainConfig
+    from stabkit.tables import TableError, fill
+
+    with pytest.raises(TableError) as info:
+        fill(TrainConfig, table, "train")
+    assert info.value.key == key and problem in info.value.problem, str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_fill_converts_and_keeps_the_base() -> None:
+    from stabkit import DetectConfig, MonitorConfig
+    from stabkit.harness.training import TrainConfig
+    from stabkit.tables import fill
+
+    base = TrainConfig(eval_batches=32)
+    cfg = fill(TrainConfig, {"lr": 1, "betas": [0.9, 0.99], "clip": "none"}, "train", base)
+    assert (cfg.lr, cfg.betas, cfg.clip, cfg.eval_batches) == (1.0, (0.9, 0.99), None, 32)
+    assert isinstance(cfg.lr, float) and base.lr == 1e-2  # the base is not changed
+    mon = fill(MonitorConfig, {"families": ["loss", "grad"], "attn_sample_rows": "none"}, "monitor")
+    assert mon.families == frozenset({"loss", "grad"}) and mon.attn_sample_rows is None
+    det = fill(DetectConfig, {"actions": {"spike": ["skip", "dump"]}, "spike_series": ["loss"]}, "detect")
+    assert det.actions["spike"] == ("skip", "dump") and det.spike_series == ("loss",)
+
+
+def test_fill_reraises_the_dataclass_own_check_naming_the_field() -> None:
+    from stabkit import DetectConfig, MonitorConfig
+    from stabkit.harness.models import GPTConfig
+    from stabkit.tables import TableError, fill
+
+    cases = [
+        (MonitorConfig, {"attn_chunk_bytes": 10}, "monitor.attn_chunk_bytes"),
+        (DetectConfig, {"drift_window": 2}, "detect.drift_window"),
+        (DetectConfig, {"actions": {"spike": "explode"}}, "detect.actions"),
+        (GPTConfig, {"d_model": 64, "n_heads": 5}, "model.n_heads"),
+        (GPTConfig, {"positions": "rope", "d_model": 12, "n_heads": 4}, "model"),  # names no field
+    ]
+    for cls, table, key in cases:
+        with pytest.raises(TableError) as info:
+            fill(cls, table, key.split(".")[0])
+        assert info.value.key == key, str(info.value)
+
+
+def test_recipe_defaults_that_differ_from_the_library_are_kept(tmp_path: Path) -> None:
+    from stabkit import MonitorConfig
+    from stabkit.harness.recipes.schema import RECIPE_DEFAULTS
+    from stabkit.harness.training import TrainConfig
+
+    r = load_recipe(write(tmp_path, BASE), "tiny")
+    assert (
+        r.train.eval_batches == RECIPE_DEFAULTS["train"]["eval_batches"] == 32 != TrainConfig().eval_batches
+    )
+    assert r.monitor.attn_every == RECIPE_DEFAULTS["monitor"]["attn_every"] == 5 != MonitorConfig().attn_every
+    assert (
+        r.train.batch_size == PRESET_BATCH["tiny"]
+        and load_recipe(write(tmp_path, BASE), "gpt2").train.batch_size == 32
+    )
+    with pytest.raises(RecipeError, match=r"monitor\.detect: unknown key"):
+        load_recipe(write(tmp_path, BASE + "\n[monitor]\ndetect = 1\n"), "tiny")

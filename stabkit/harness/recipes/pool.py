@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from .worker import Job, Progress, run_job
+from .job import Job, Progress
+from .worker import run_job
 
 STOP_GRACE_S = 60.0
 Result = dict[str, Any]

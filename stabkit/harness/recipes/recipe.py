@@ -6,24 +6,28 @@ already merged over the top level (`stabkit.harness.recipes.loader`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..models import PRESETS, GPTConfig, preset_config
+from ...config import MonitorConfig
+from ...detectors.config import DetectConfig
+from ..models import PRESETS, GPTConfig
+from ..training import TrainConfig
 from .checks import Check, parse_checks
 from .errors import RecipeError
 from .fields import boolean, choice, string, table
 from .schema import (
     DepthSpec,
     FaultSpec,
-    MonitorSpec,
     SweepSpec,
-    TrainSpec,
     parse_depth,
+    parse_detect,
     parse_fault,
+    parse_model,
     parse_monitor,
     parse_sweep,
     parse_train,
+    train_defaults,
 )
 
 ROLES = ("baseline", "intervention", "reference")
@@ -55,15 +59,15 @@ class VariantSpec:
     name: str
     role: str
     """baseline (shows the instability), intervention (should fix it), reference (e.g. a safe LR)."""
-    train: TrainSpec
+    train: TrainConfig
     """The recipe's training settings with this variant's overrides."""
     description: str = ""
     interventions: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Registry name -> options, applied with `stabkit.interventions.apply_many`."""
     fault: bool = True
     """Whether the recipe's [fault] is injected in this variant."""
-    detect: dict[str, Any] = field(default_factory=dict)
-    """Detector settings over the recipe's [detect] (e.g. the action on an event)."""
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """The recipe's [detect] with this variant's settings over it (e.g. the action on an event)."""
     fixed: list[Check] | None = None
     """This intervention's own "fixed" checks (None: the recipe's [criteria] fixed)."""
     mechanism: list[Check] = field(default_factory=list)
@@ -77,18 +81,20 @@ class Recipe:
     name: str
     size: str
     model: GPTConfig
-    train: TrainSpec
+    train: TrainConfig
     variants: list[VariantSpec]
     reproduced: list[Check]
     """Checks on the baseline: all pass -> "reproduced"."""
     fixed: list[Check]
     """Default checks on interventions: all pass -> "fixed"."""
-    monitor: MonitorSpec = field(default_factory=MonitorSpec)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """How the variants are monitored (the detectors: each variant's `detect`)."""
     description: str = ""
     references: list[str] = field(default_factory=list)
     data: str | None = None
     """Path of the training text (None: the embedded default)."""
-    detect: dict[str, Any] = field(default_factory=dict)
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """The recipe's [detect] table (each variant may set more over it)."""
     fault: FaultSpec | None = None
     depth: DepthSpec | None = None
     sweep: SweepSpec = field(default_factory=SweepSpec)
@@ -129,37 +135,12 @@ def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
     return out
 
 
-def parse_model(raw: Any, size: str) -> GPTConfig:
-    """The [model] table: GPTConfig fields over the size's preset."""
-    names = tuple(f.name for f in fields(GPTConfig))
-    overrides = table(raw, "model", names)
-    try:
-        return preset_config(size, **overrides)
-    except (ValueError, TypeError) as exc:
-        raise RecipeError("model", str(exc)) from None
-
-
-def check_detect(raw: Any, where: str) -> dict[str, Any]:
-    """Detector settings; checked against `stabkit.detectors.DetectConfig` when the detectors are installed."""
-    t = table(raw, where, tuple(raw) if isinstance(raw, dict) else ())
-    try:
-        from ...detectors import DetectConfig
-    except ImportError:
-        return t
-    try:
-        DetectConfig(**t)
-    except (TypeError, ValueError) as exc:
-        raise RecipeError(where, str(exc)) from None
-    return t
-
-
-def parse_variant(name: str, raw: Any, train: TrainSpec, detect: dict[str, Any]) -> VariantSpec:
-    """One [variants.<name>] table."""
+def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig) -> VariantSpec:
+    """One [variants.<name>] table: its train and detect tables over the recipe's."""
     where = f"variants.{name}"
     t = table(raw, where, VARIANT_KEYS)
     role = choice(t.get("role", "baseline" if name == "baseline" else "intervention"), f"{where}.role", ROLES)
     fixed = parse_checks(t["fixed"], f"{where}.fixed") if "fixed" in t else None
-    merged_detect = {**detect, **table(t.get("detect"), f"{where}.detect", tuple(t.get("detect") or ()))}
     return VariantSpec(
         name=name,
         role=role,
@@ -167,7 +148,7 @@ def parse_variant(name: str, raw: Any, train: TrainSpec, detect: dict[str, Any])
         description=string(t.get("description", ""), f"{where}.description"),
         interventions=parse_interventions(t.get("interventions"), f"{where}.interventions"),
         fault=boolean(t.get("fault", True), f"{where}.fault"),
-        detect=check_detect(merged_detect, f"{where}.detect") if "detect" in t else merged_detect,
+        detect=parse_detect(t["detect"], f"{where}.detect", base=detect) if "detect" in t else detect,
         fixed=fixed,
         mechanism=parse_checks(t.get("mechanism", []), f"{where}.mechanism"),
     )
@@ -177,8 +158,8 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
     """A Recipe from a TOML document whose ``[sizes.<size>]`` table is already merged in."""
     t = table(doc, "", TOP_KEYS)
     size = choice(size, "size", tuple(PRESETS))
-    train = parse_train(t.get("train"))
-    detect = check_detect(t.get("detect"), "detect")
+    train = parse_train(t.get("train"), "train", base=train_defaults(size))
+    detect = parse_detect(t.get("detect"), "detect")
     raw_variants = table(t.get("variants"), "variants", tuple(t.get("variants") or ()))
     if not raw_variants:
         raise RecipeError(

@@ -8,14 +8,12 @@ data-parallel job alike (the monitor's history and the recorded losses are the a
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ...monitor import Monitor
+from .job import Job
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
 from .schema import FaultSpec
-
-if TYPE_CHECKING:
-    from .worker import Job
 
 
 def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor | None) -> dict[str, Any]:

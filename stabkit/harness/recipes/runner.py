@@ -25,11 +25,11 @@ from ...sinks.fanout import reason
 from ...sinks.jsonl import json_safe
 from ...sinks.rundir import clear_logs
 from .checks import Check
+from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
 from .signals import SigtermStop
 from .verdict import judge
-from .worker import Job, Progress
 
 SUMMARY = "summary.json"
 

@@ -25,12 +25,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
 from .runner import clear_previous_logs, describe, history_checks, write_json
 from .signals import SigtermStop
 from .verdict import judge
-from .worker import Job, Progress
 
 SWEEP = "sweep.json"
 PLOT = "lr_sweep.png"

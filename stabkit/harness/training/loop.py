@@ -1,7 +1,8 @@
 """Training loop for the reference GPT: AdamW (0.9, 0.95), warmup then cosine, grad clipping.
 
 Follows Wortsman et al. 2023 §2.1 at small scale (see shared/reference/papers.md, CPU proxy).
-Runs in the caller's process; a Monitor, if given, is stepped once per optimizer step.
+Runs in the caller's process. The loop knows nothing of monitoring: the caller attaches a monitor
+to the model and the optimizer it passes in, and steps it from `after_update`.
 """
 
 from __future__ import annotations
@@ -9,47 +10,66 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...monitor import Monitor
+from ...tables import bounds
 from ..data import ByteCorpus
+
+Precision = Literal["fp32", "bf16", "fp16"]
+
+MAX_BATCH_SIZE = 4096
+"""The largest `batch_size` (sequences per micro-batch) a recipe may ask for."""
 
 
 @dataclass
 class TrainConfig:
-    """Optimiser, schedule and length of one run."""
+    """Optimiser, schedule, length and precision of one run.
 
-    steps: int = 300
+    The ranges in the fields' metadata are checked when a recipe fills the config
+    (`stabkit.tables.fill`); `__post_init__` checks what the loop itself needs.
+    """
+
+    steps: int = field(default=300, metadata=bounds(lo=1))
     """Optimizer steps."""
-    batch_size: int = 16
-    """Sequences per step."""
-    lr: float = 1e-2
+    batch_size: int = field(
+        default=16,
+        metadata=bounds(
+            lo=1,
+            hi=MAX_BATCH_SIZE,
+            hint="sequences per micro-batch; for a larger batch per optimizer step set train.grad_accum "
+            "(micro-batches per step)",
+        ),
+    )
+    """Sequences per micro-batch."""
+    lr: float = field(default=1e-2, metadata=bounds(lo=0.0, lo_open=True))
     """Peak learning rate."""
-    warmup: int = 15
+    warmup: int = field(default=15, metadata=bounds(lo=0))
     """Linear warmup steps (0 = none)."""
-    min_lr_fraction: float = 0.01
+    min_lr_fraction: float = field(default=0.01, metadata=bounds(lo=0.0, hi=1.0))
     """Cosine decay ends at this fraction of the peak."""
-    weight_decay: float = 1e-4
+    weight_decay: float = field(default=1e-4, metadata=bounds(lo=0.0))
     """Weight decay on matrices (not on embeddings, norms, biases)."""
     independent_decay: bool = True
     """Decay independent of the peak LR (Wortsman et al. 2023 Fig. 6); False = torch AdamW coupling."""
-    betas: tuple[float, float] = (0.9, 0.95)
+    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=bounds(lo=0.0, hi=1.0, hi_open=True))
     """Adam betas."""
-    eps: float = 1e-8
+    eps: float = field(default=1e-8, metadata=bounds(lo=0.0, lo_open=True))
     """Adam epsilon."""
-    clip: float | None = 1.0
-    """Global grad-norm clip (None = off)."""
-    seed: int = 0
+    clip: float | None = field(default=1.0, metadata=bounds(lo=0.0, lo_open=True))
+    """Global grad-norm clip (None = off; "none" in a recipe)."""
+    seed: int = field(default=0, metadata=bounds(lo=0))
     """Seed of the model init and of the data order."""
-    eval_batches: int = 8
+    eval_batches: int = field(default=8, metadata=bounds(lo=1))
     """Validation batches at the end."""
-    grad_accum: int = 1
+    grad_accum: int = field(default=1, metadata=bounds(lo=1))
     """Micro-batches per optimizer step."""
-    extra: dict[str, float] = field(default_factory=dict)
-    """Free-form numbers recipes attach (ignored by the loop)."""
+    precision: Precision = "fp32"
+    """fp32, or bf16 / fp16 autocast on the forward pass (the caller sets it up: the recipes' worker
+    with `stabkit.harness.recipes.faults.autocast_forward`)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
@@ -60,6 +80,8 @@ class TrainConfig:
             raise ValueError("TrainConfig.warmup and weight_decay must be >= 0 and eps > 0")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"TrainConfig.clip must be None or > 0, got {self.clip!r}")
+        if self.precision not in ("fp32", "bf16", "fp16"):
+            raise ValueError(f"TrainConfig.precision must be fp32, bf16 or fp16, got {self.precision!r}")
 
 
 @dataclass
@@ -67,8 +89,13 @@ class TrainResult:
     """What one run produced (host floats)."""
 
     losses: list[float]
-    val_loss: float
-    diverged: bool
+    val_loss: float = math.nan
+    """Validation loss at the end (NaN when `train` was asked not to evaluate)."""
+
+    @property
+    def diverged(self) -> bool:
+        """A non-finite training or validation loss."""
+        return not math.isfinite(self.val_loss) or any(not math.isfinite(v) for v in self.losses)
 
     @property
     def initial_loss(self) -> float:
@@ -110,18 +137,24 @@ def train(
     cfg: TrainConfig,
     *,
     context: int,
-    monitor_factory: Callable[[nn.Module, torch.optim.Optimizer], Monitor] | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    after_update: Callable[[torch.Tensor], None] | None = None,
     on_step: Callable[[int, float], None] | None = None,
+    on_end: Callable[[], None] | None = None,
+    evaluate_at_end: bool = True,
     device: str | torch.device = "cpu",
 ) -> TrainResult:
-    """Train `model` on `corpus`; returns per-step losses and a final validation loss.
+    """Train `model` on `corpus`; returns per-step losses and (`evaluate_at_end`) a validation loss.
 
-    `monitor_factory(model, optimizer)` builds a Monitor (stepped each step, detached at the end,
-    also when training raises). `on_step(step, loss)` is called with the host loss each step.
+    `optimizer`: built by the caller (e.g. to attach a monitor to it first; default
+    `make_optimizer(model, cfg)`). `after_update(loss)` runs after each optimizer step with the
+    step's loss (a 0-d device tensor), before the gradients are cleared: the place for
+    ``monitor.step``. `on_step(step, loss)` is called with the host loss each step. `on_end()` runs
+    when the loop ends, also when it raises, before the validation: the place for
+    ``monitor.detach``. The loop builds no monitor and registers no hooks.
     """
-    opt = make_optimizer(model, cfg)
+    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
     gen = torch.Generator().manual_seed(cfg.seed)
-    monitor = monitor_factory(model, opt) if monitor_factory else None
     losses: list[float] = []
     try:
         for step in range(cfg.steps):
@@ -138,19 +171,19 @@ def train(
             if cfg.clip is not None:
                 torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
-            if monitor is not None:
-                monitor.step(total)
+            if after_update is not None:
+                after_update(total)
             opt.zero_grad(set_to_none=True)
             value = float(total)  # sync point: the loop reports the loss each step
             losses.append(value)
             if on_step is not None:
                 on_step(step, value)
     finally:
-        if monitor is not None:
-            monitor.detach()
-    val = evaluate(model, corpus, cfg, context, gen, device)
-    bad = not math.isfinite(val) or any(not math.isfinite(v) for v in losses)
-    return TrainResult(losses=losses, val_loss=val, diverged=bad)
+        if on_end is not None:
+            on_end()
+    if not evaluate_at_end:
+        return TrainResult(losses)
+    return TrainResult(losses, evaluate(model, corpus, cfg, context, gen, device))
 
 
 @torch.no_grad()
