@@ -1,6 +1,7 @@
 """Stress-test recipes: make an instability happen on purpose, then show which intervention fixes it.
 
-``load_recipe("attention-logit-growth", "tiny")`` reads and validates ``recipes/<name>.toml``;
+``load_recipe("attention-logit-growth", "tiny")`` reads and validates a built-in recipe
+(``builtin/<name>.toml``, package data) or any recipe file;
 ``run_recipe(recipe, "runs/x", workers=2)`` trains the baseline and every variant side by side and
 judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
 
