@@ -69,7 +69,10 @@ def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path) -> None:
     text = (BUILTIN / "attention-logit-growth.toml").read_text()
     (tmp_path / "a.toml").write_text(text.replace("warmup = 15", "warmpu = 15"))
     (tmp_path / "b.toml").write_text(text.replace("clip = 1.0", "clip = -1.0"))
-    for name, key, allowed in (("a", "train.warmpu", "allowed: steps"), ("b", "train.clip", "(0, inf) or \"none\"")):
+    for name, key, allowed in (
+        ("a", "train.warmpu", "allowed: steps"),
+        ("b", "train.clip", '(0, inf) or "none"'),
+    ):
         proc = cli("run", str(tmp_path / f"{name}.toml"), "--steps", "5")
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
