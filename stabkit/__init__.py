@@ -53,26 +53,24 @@ _SUBMODULES = frozenset(
         "bench",
         "cli",
         "config",
-        "data",
         "detectors",
         "discovery",
         "distributed",
         "events",
+        "harness",
         "integrations",
         "interventions",
         "hooks",
         "lifecycle",
-        "models",
         "monitor",
         "plugins",
         "probes",
-        "recipes",
         "sinks",
         "stats",
-        "training",
     }
 )
-"""Subpackages reachable as attributes after a bare ``import stabkit`` (e.g. ``stabkit.models.GPT``)."""
+"""Subpackages reachable as attributes after a bare ``import stabkit`` (e.g. ``stabkit.harness.models.GPT``,
+``stabkit.interventions``)."""
 
 
 def __getattr__(name: str) -> Any:

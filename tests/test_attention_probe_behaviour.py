@@ -14,8 +14,8 @@ from torch import nn
 
 import stabkit
 from stabkit import MonitorConfig
-from stabkit.data import load_corpus
-from stabkit.models import GPT, preset_config
+from stabkit.harness.data import load_corpus
+from stabkit.harness.models import GPT, preset_config
 from stabkit.probes.base import ProbeError
 
 EXACT = dict(attn_sample_rows=None, attn_sample_queries=None)

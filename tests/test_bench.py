@@ -53,7 +53,7 @@ def test_memory_verdict() -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_no_host_sync_between_log_intervals_on_cuda() -> None:
     import stabkit
-    from stabkit.models import GPT, preset_config
+    from stabkit.harness.models import GPT, preset_config
 
     model = GPT(preset_config("tiny")).cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -20,14 +20,16 @@ import stabkit.cli.run_cmd
 import stabkit.cli.sweep_cmd  # registers the commands
 from stabkit.cli import main
 from stabkit.cli.run_cmd import header
-from stabkit.recipes import load_recipe
+from stabkit.harness.recipes import load_recipe
+from stabkit.harness.recipes.loader import builtin_dir
 
 BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.demo_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
 ROOT = Path(__file__).resolve().parents[1]
-RECIPE = (ROOT / "recipes" / "attention-logit-growth.toml").read_text()
+BUILTIN = builtin_dir()
+RECIPE = (BUILTIN / "attention-logit-growth.toml").read_text()
 
 
 def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -134,3 +136,19 @@ def test_more_steps_than_the_recipe_is_a_lengthened_run() -> None:
     assert "shortened run (20 of 300 steps)" in shorter
     same = header(load_recipe("attention-logit-growth", steps=300), "cpu", 1, 300)
     assert "shortened" not in same and "lengthened" not in same
+
+
+def test_an_unknown_recipe_name_exits_2_naming_the_builtins() -> None:
+    line = one_line_error(
+        cli("run", "no-such-recipe"), "no-such-recipe", "attention-logit-growth", "loss-spike"
+    )
+    assert "not found" in line
+
+
+def test_list_recipes_lists_the_builtins(tmp_path: Path) -> None:
+    from stabkit.harness.recipes.loader import builtin_recipes
+
+    result = CliRunner().invoke(main, ["list", "recipes"], standalone_mode=False)
+    assert result.exit_code == 0, result.output
+    for name, path in builtin_recipes().items():
+        assert f"{name}  ({path})" in result.output

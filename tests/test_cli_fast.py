@@ -135,8 +135,8 @@ def test_public_names_and_subpackages_resolve() -> None:
         "stabkit.bench",
         "stabkit.distributed",
         "stabkit.integrations",
-        "stabkit.models",
-        "stabkit.recipes",
+        "stabkit.harness.models",
+        "stabkit.harness.recipes",
     ],
 )
 def test_lazy_packages_export_every_name(package: str) -> None:
@@ -150,7 +150,7 @@ def test_lazy_packages_export_every_name(package: str) -> None:
 def test_cli_copies_of_names_match_the_library() -> None:
     from stabkit.bench import VARIANTS
     from stabkit.cli.bench_cmd import SIZES, VARIANT_NAMES
-    from stabkit.models import PRESETS
+    from stabkit.harness.models import PRESETS
 
     assert VARIANT_NAMES == VARIANTS
     assert tuple(PRESETS) == SIZES
@@ -171,7 +171,7 @@ def test_cli_copies_of_names_match_the_library() -> None:
 )
 def test_non_embedding_params_counts_like_the_model(overrides: dict[str, object]) -> None:
     from stabkit.cli.list_cmd import non_embedding_params
-    from stabkit.models import GPT, PRESETS, preset_config
+    from stabkit.harness.models import GPT, PRESETS, preset_config
 
     for name in PRESETS:
         cfg = preset_config(name, **overrides)

@@ -19,7 +19,8 @@ import stabkit.cli.report_cmd
 import stabkit.cli.run_cmd
 import stabkit.cli.sweep_cmd  # noqa: F401  (register the commands until stabkit.cli imports them)
 from stabkit.cli import main
-from stabkit.recipes.sweep import lr_sensitivity
+from stabkit.harness.recipes.loader import builtin_dir
+from stabkit.harness.recipes.sweep import lr_sensitivity
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 BOOT = (
@@ -27,6 +28,7 @@ BOOT = (
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
 ROOT = Path(__file__).resolve().parents[1]
+BUILTIN = builtin_dir()
 
 
 def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
@@ -64,10 +66,13 @@ def test_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
 
 
 def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path) -> None:
-    text = (ROOT / "recipes" / "attention-logit-growth.toml").read_text()
+    text = (BUILTIN / "attention-logit-growth.toml").read_text()
     (tmp_path / "a.toml").write_text(text.replace("warmup = 15", "warmpu = 15"))
     (tmp_path / "b.toml").write_text(text.replace("clip = 1.0", "clip = -1.0"))
-    for name, key, allowed in (("a", "train.warmpu", "allowed: steps"), ("b", "train.clip", "[0, inf)")):
+    for name, key, allowed in (
+        ("a", "train.warmpu", "allowed: steps"),
+        ("b", "train.clip", '(0, inf) or "none"'),
+    ):
         proc = cli("run", str(tmp_path / f"{name}.toml"), "--steps", "5")
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
@@ -93,7 +98,7 @@ def test_report_reads_a_single_monitored_run(tmp_path: Path) -> None:
     import torch
 
     import stabkit
-    from stabkit.models import GPT, preset_config
+    from stabkit.harness.models import GPT, preset_config
 
     model = GPT(preset_config("tiny"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -187,7 +192,7 @@ def test_data_flag_trains_on_the_users_text(tmp_path: Path) -> None:
     assert code == 0, output
     s = json.loads((out / "summary.json").read_text())
     assert s["data"] == str(text)
-    from stabkit.recipes.measures import bigram_loss
+    from stabkit.harness.recipes.measures import bigram_loss
 
     assert s["variants"]["baseline"]["bigram_loss"] == pytest.approx(bigram_loss(str(text)))
     assert s["variants"]["baseline"]["bigram_loss"] < 1.0  # a repetitive text: far below the embedded 2.317

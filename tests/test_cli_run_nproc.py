@@ -24,11 +24,11 @@ import torch.distributed as dist
 from click.testing import CliRunner
 
 from stabkit.cli import main
-from stabkit.data import load_corpus
 from stabkit.distributed import DistContext
-from stabkit.recipes import load_recipe, run_recipe
-from stabkit.recipes.ddp import RankRows
-from stabkit.recipes.worker import Job, run_job
+from stabkit.harness.data import load_corpus
+from stabkit.harness.recipes import load_recipe, run_recipe
+from stabkit.harness.recipes.ddp import RankRows
+from stabkit.harness.recipes.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -163,7 +163,7 @@ def test_only_rank_0_writes_the_summary(tmp_path: Path, monkeypatch: pytest.Monk
             on_result(job, {"variant": job.variant, "status": "done"})
         return False
 
-    monkeypatch.setattr("stabkit.recipes.runner.execute", fake_execute)
+    monkeypatch.setattr("stabkit.harness.recipes.runner.execute", fake_execute)
     summary = run_recipe(recipe, tmp_path, workers=2, dist=DistContext(True, rank, 2))
     assert summary["complete"] is True and summary["processes"] == 2
     assert seen == [(True, 1)] * len(recipe.variants)  # data-parallel jobs, one at a time

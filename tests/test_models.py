@@ -8,8 +8,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stabkit.models import GPT, GPTConfig, preset_config
-from stabkit.models.layers import apply_rope, rope_tables
+from stabkit.harness.models import GPT, GPTConfig, preset_config
+from stabkit.harness.models.layers import apply_rope, rope_tables
 
 
 def hand_attention(

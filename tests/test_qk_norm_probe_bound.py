@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 import stabkit
-from stabkit.data import load_corpus
+from stabkit.harness.data import load_corpus
+from stabkit.harness.models import GPT, preset_config
 from stabkit.interventions import qk_norm_logit_bounds
-from stabkit.models import GPT, preset_config
 
 
 def run(

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from stabkit.recipes import load_recipe, run_recipe
-from stabkit.recipes.depth import depth_sweep
-from stabkit.recipes.measures import aggregate
-from stabkit.recipes.schema import DepthSpec
-from stabkit.recipes.worker import Job, run_job
+from stabkit.harness.recipes import load_recipe, run_recipe
+from stabkit.harness.recipes.depth import depth_sweep
+from stabkit.harness.recipes.measures import aggregate
+from stabkit.harness.recipes.schema import DepthSpec
+from stabkit.harness.recipes.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 
@@ -120,8 +120,8 @@ def test_a_crashing_variant_is_reported_and_the_others_finish(tmp_path: Path) ->
 
 
 def test_depth_effect_at_init_matches_xiong() -> None:
-    from stabkit.data import load_corpus
-    from stabkit.models import preset_config
+    from stabkit.harness.data import load_corpus
+    from stabkit.harness.models import preset_config
 
     corpus, spec = load_corpus(), DepthSpec(layers=[4, 16], ratio=(4, 16), repeats=2)
     post = depth_sweep(preset_config("tiny", norm_placement="post"), {}, spec, corpus, 16, 0)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from stabkit.data import load_corpus
-from stabkit.recipes.checks import Check
-from stabkit.recipes.faults import FaultyCorpus
-from stabkit.recipes.measures import aggregate, best_smoothed, bigram_loss, tail_mean
-from stabkit.recipes.schema import FaultSpec
-from stabkit.recipes.sweep import lr_sensitivity
-from stabkit.recipes.verdict import FIXED, NOT_AT_SIZE, NOT_FIXED, NOT_REPRODUCED, REPRODUCED, judge
+from stabkit.harness.data import load_corpus
+from stabkit.harness.recipes.checks import Check
+from stabkit.harness.recipes.faults import FaultyCorpus
+from stabkit.harness.recipes.measures import aggregate, best_smoothed, bigram_loss, tail_mean
+from stabkit.harness.recipes.schema import FaultSpec
+from stabkit.harness.recipes.sweep import lr_sensitivity
+from stabkit.harness.recipes.verdict import FIXED, NOT_AT_SIZE, NOT_FIXED, NOT_REPRODUCED, REPRODUCED, judge
 
 ROLES = {"baseline": "baseline", "qk": "intervention", "cap": "intervention", "ref": "reference"}
 ORDER = list(ROLES)

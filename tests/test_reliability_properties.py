@@ -11,7 +11,7 @@ from torch import nn
 from zoo import EncoderLM, lm_loss
 
 import stabkit
-from stabkit.models import GPT, GPTConfig
+from stabkit.harness.models import GPT, GPTConfig
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

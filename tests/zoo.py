@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabkit.models import GPT, GPTConfig
+from stabkit.harness.models import GPT, GPTConfig
 
 VOCAB = 64
 SEQ = 16

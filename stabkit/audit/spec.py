@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ..discovery import inspect_model
-from ..models import GPT, PRESETS, preset_config
+from ..harness.models import GPT, PRESETS, preset_config
 from .core import audit as run_audit
 
 

@@ -22,8 +22,8 @@ import torch
 import torch.nn.functional as F
 
 from ..config import MonitorConfig
-from ..data import load_corpus
-from ..models import GPT, PRESET_BATCH, GPTConfig, preset_config
+from ..harness.data import load_corpus
+from ..harness.models import GPT, PRESET_BATCH, GPTConfig, preset_config
 from ..monitor import Monitor, attach
 
 VARIANTS = ("bare", "default", "full", "anomaly")

@@ -17,7 +17,7 @@ from .progress import Phase, duration
 VARIANT_NAMES = ("bare", "default", "full", "anomaly")
 """`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
 SIZES = ("tiny", "small", "gpt2", "1b")
-"""Presets `bench` offers (`stabkit.models.PRESETS`)."""
+"""Presets `bench` offers (`stabkit.harness.models.PRESETS`)."""
 
 
 @main.command()

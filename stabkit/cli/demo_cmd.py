@@ -22,10 +22,10 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     import torch
 
     from ..config import MonitorConfig
-    from ..data import load_corpus
-    from ..models import GPT, PRESET_BATCH, preset_config
+    from ..harness.data import load_corpus
+    from ..harness.models import GPT, PRESET_BATCH, preset_config
+    from ..harness.training import TrainConfig, make_optimizer, train
     from ..monitor import attach
-    from ..training import TrainConfig, train
 
     folder = writable_dir(logdir, "--logdir")
     torch.set_num_threads(1)
@@ -38,6 +38,8 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
         every=10, log_every=50, console=False, logdir_mode="overwrite"
     )  # a rerun replaces it
     progress: Any = click.progressbar(length=steps, label=f"training {size} GPT", file=sys.stderr)
+    opt = make_optimizer(model, tcfg)
+    monitor = attach(model, opt, logdir=folder, config=mcfg)
     with progress as bar:
 
         def on_step(step: int, loss: float) -> None:
@@ -48,8 +50,10 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
             corpus,
             tcfg,
             context=cfg.context,
-            monitor_factory=lambda m, o: attach(m, o, logdir=folder, config=mcfg),
+            optimizer=opt,
+            after_update=monitor.step,
             on_step=on_step,
+            on_end=monitor.detach,  # also when training raises; the validation runs unmonitored
         )
     click.echo(
         f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {result.val_loss:.3f}); "

@@ -14,7 +14,7 @@ import click
 from .app import main
 
 if TYPE_CHECKING:
-    from ..models.config import GPTConfig
+    from ..harness.models.config import GPTConfig
 
 SECTIONS = ("interventions", "recipes", "presets", "advice")
 
@@ -27,8 +27,8 @@ def interventions_text() -> str:
 
 def recipes_text() -> str:
     """Each recipe with its description and what each size is expected to show."""
-    from ..recipes.errors import RecipeError
-    from ..recipes.loader import list_recipe_files, read_toml
+    from ..harness.recipes.errors import RecipeError
+    from ..harness.recipes.loader import list_recipe_files, read_toml
 
     lines = []
     for path in list_recipe_files():
@@ -43,7 +43,7 @@ def recipes_text() -> str:
         for size, spec in (doc.get("sizes") or {}).items():
             if isinstance(spec, dict) and spec.get("expect"):
                 lines.append(f"    {size}: {spec['expect']}")
-    return "\n".join(lines) or "no recipes found (looked in ./recipes and next to the stabkit sources)"
+    return "\n".join(lines) or "no recipes found (looked in ./recipes and among the built-ins)"
 
 
 def _norm_params(cfg: GPTConfig, width: int) -> int:
@@ -52,7 +52,7 @@ def _norm_params(cfg: GPTConfig, width: int) -> int:
 
 
 def non_embedding_params(cfg: GPTConfig) -> int:
-    """Parameters of `stabkit.models.GPT(cfg)` without the token/position embeddings and the output
+    """Parameters of `stabkit.harness.models.GPT(cfg)` without the token/position embeddings and the output
     head (`GPT.num_parameters()`), counted from the config alone, without building the model."""
     d, hd, ff = cfg.d_model, cfg.head_dim, cfg.ff_width
     q, kv = cfg.n_heads * hd, cfg.kv_heads * hd
@@ -67,7 +67,7 @@ def non_embedding_params(cfg: GPTConfig) -> int:
 
 def presets_text() -> str:
     """Model presets: shape, batch and non-embedding parameter count."""
-    from ..models.presets import PRESET_BATCH, PRESETS, preset_config
+    from ..harness.models.presets import PRESET_BATCH, PRESETS, preset_config
 
     rows = []
     for name in PRESETS:

@@ -48,7 +48,7 @@ def reading(label: str, paths: Sequence[Path]) -> Iterator[Phase | None]:
 )
 def report_command(logdir: str, max_events: int) -> None:
     """Summarise LOGDIR: a `stabkit run` / `stabkit sweep` output folder, or one monitored run's logdir."""
-    from ..recipes.report import (
+    from ..harness.recipes.report import (
         event_log,
         events_text,
         footer,

@@ -2,7 +2,8 @@
 the instability was reproduced and which interventions fixed it.
 
 With ``--nproc N`` (N > 1) the command relaunches itself under torchrun on N local processes;
-each rank then runs the same command as one rank of a data-parallel run (see `nproc.py`).
+each rank then runs the same command as one rank of a data-parallel run (the launching lives in
+`stabkit.harness.launch`; this module parses, calls and prints).
 """
 
 from __future__ import annotations
@@ -10,13 +11,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from ..models.presets import PRESETS
+from ..harness.models.presets import PRESETS
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
+
+if TYPE_CHECKING:
+    from ..harness.launch import Relaunched
 
 
 def resolve_device(device: str) -> str:
@@ -90,7 +94,7 @@ def steps_note(steps: int, original: int) -> str:
 
 def header(recipe: object, device: str, jobs: int, original_steps: int | None, ddp: int = 0) -> str:
     """One paragraph on what is about to run (`ddp`: processes per variant, when data-parallel)."""
-    from ..recipes import Recipe
+    from ..harness.recipes import Recipe
 
     assert isinstance(recipe, Recipe)
     procs = (
@@ -150,9 +154,9 @@ def run_command(
     import torch
 
     from ..distributed import launched_by_torchrun
-    from ..recipes import load_recipe, preflight, run_recipe
-    from ..recipes.ddp import check_split
-    from .nproc import relaunch, run_as_rank
+    from ..harness.launch import relaunch
+    from ..harness.recipes import load_recipe, preflight, run_recipe
+    from ..harness.recipes.ddp import check_split
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if world > 1 and nproc not in (None, world):
@@ -177,7 +181,7 @@ def run_command(
         args = ["run", recipe, "--device", dev, "--out", str(out_dir)]
         for flag, value in (("--size", size), ("--steps", steps), ("--seed", seed), ("--data", data)):
             args += [flag, str(value)] if value is not None else []
-        sys.exit(relaunch(procs, args, out_dir))
+        sys.exit(relaunched_exit_code(relaunch(procs, args, out_dir)))
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":
         torch.set_num_threads(1)
@@ -191,9 +195,50 @@ def run_command(
     sys.exit(exit_code(summary))
 
 
+def run_as_rank(recipe: object, device: str, out_dir: Path, original: int | None) -> int:
+    """One rank of a data-parallel run (under torchrun): every variant with DDP on all ranks; rank 0
+    shows progress and prints the results. Returns the exit code (0 when `stabkit run --nproc`
+    started this rank: its parent reports)."""
+    from ..harness.launch import rank_device, rank_group, rank_should_stop, relaunched
+    from ..harness.recipes import Recipe, run_recipe
+
+    assert isinstance(recipe, Recipe)
+    device = rank_device(device)
+    with rank_group(device) as ctx:
+        should_stop = rank_should_stop()
+        bars = MultiProgress([v.name for v in recipe.variants], recipe.train.steps) if ctx.writes else None
+        if ctx.writes:
+            click.echo(header(recipe, device, 1, original, ddp=ctx.world_size))
+        try:
+            summary = run_recipe(
+                recipe,
+                out_dir,
+                device=device,
+                dist=ctx,
+                on_progress=bars.update if bars else None,
+                should_stop=should_stop,
+            )
+        finally:
+            if bars is not None:
+                bars.close()
+        if ctx.writes:
+            print_results(summary, out_dir)
+    return 0 if relaunched() else exit_code(summary)
+
+
+def relaunched_exit_code(outcome: Relaunched) -> int:
+    """The exit code of `stabkit run --nproc N`: 130 / 143 when stopped by Ctrl-C / SIGTERM,
+    torchrun's code (or 1) when it failed or left no summary, else the summary's."""
+    if outcome.stopped_by is not None:
+        return 143 if outcome.stopped_by == "SIGTERM" else 130
+    if outcome.returncode != 0 or outcome.summary is None:
+        return outcome.returncode or 1
+    return exit_code(outcome.summary)
+
+
 def print_results(summary: dict[str, Any], out_dir: Path) -> None:
     """The results table, the verdicts, notes and where the logs are."""
-    from ..recipes.report import footer, results_table, verdict_lines
+    from ..harness.recipes.report import footer, results_table, verdict_lines
 
     notes = sorted({n for r in summary["variants"].values() for n in r.get("notes", [])})
     click.echo("")

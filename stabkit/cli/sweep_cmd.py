@@ -55,8 +55,8 @@ def sweep_command(
     """
     import torch
 
-    from ..recipes import load_recipe, preflight, run_sweep
-    from ..recipes.report import sweep_tables, verdict_lines
+    from ..harness.recipes import load_recipe, preflight, run_sweep
+    from ..harness.recipes.report import sweep_tables, verdict_lines
 
     grid = parse_lrs(lrs)
     loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)

@@ -14,7 +14,7 @@ from .roles import block_norms, child, norm_kind
 
 def family_of(block: nn.Module) -> str:
     """Name the family of a block module: 'stabkit-gpt', 'torch-encoder', 'hf-gpt2', 'hf-llama', 'nanogpt' or 'fallback'."""
-    from ..models.gpt import Block
+    from ..harness.models.gpt import Block
 
     if isinstance(block, Block):
         return "stabkit-gpt"

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect_model
-from ..models import RMSNorm
+from ..harness.models import RMSNorm
 from .handle import Handle, InterventionError
 
 _MISSING = object()

@@ -80,7 +80,7 @@ def apply_qk_norm(
 
     ``eps`` defaults to the epsilon of the block's own norms (1e-6 when it has none).
     """
-    from ..models.layers import Attention as StabkitAttention
+    from ..harness.models.layers import Attention as StabkitAttention
 
     if kind not in NORM_KINDS:
         raise InterventionError(NAME, "", f"kind must be one of {NORM_KINDS}, got {kind!r}")

@@ -1,4 +1,4 @@
-"""LayerNorm → RMSNorm: every ``nn.LayerNorm`` of the model is swapped for a `stabkit.models.RMSNorm`
+"""LayerNorm → RMSNorm: every ``nn.LayerNorm`` of the model is swapped for a `stabkit.harness.models.RMSNorm`
 that carries the *same* gain Parameter object (so the optimizer keeps working) and the same eps.
 
 RMSNorm has no bias and no mean subtraction. A LayerNorm bias is dropped: by default the swap is
@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..models import RMSNorm
+from ..harness.models import RMSNorm
 from .common import keep_slow_path, parent_of, swap_module
 from .handle import Handle, InterventionError
 

@@ -82,7 +82,7 @@ def _check_called(path: str, handled: int, output: Any) -> None:
 
 def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: Any = None) -> Handle:
     """Cap every attention module's logits at ``cap`` (see the module docstring). Runs at each forward."""
-    from ..models.layers import Attention as StabkitAttention
+    from ..harness.models.layers import Attention as StabkitAttention
 
     cap = _check_cap(ATTN, cap)
     mmap = model_map(model, ATTN, model_map_override)

@@ -1,0 +1,62 @@
+"""Stress-test recipes: make an instability happen on purpose, then show which intervention fixes it.
+
+``load_recipe("attention-logit-growth", "tiny")`` reads and validates a built-in recipe
+(``builtin/<name>.toml``, package data) or any recipe file;
+``run_recipe(recipe, "runs/x", workers=2)`` trains the baseline and every variant side by side and
+judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
+
+The names below load with their submodule on first use (PEP 562): listing and reading recipe files
+(`stabkit.harness.recipes.loader`) does not import torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...lazy import lazy_names
+
+if TYPE_CHECKING:
+    from .checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check
+    from .errors import RecipeError
+    from .loader import find_recipe, list_recipe_files, load_recipe
+    from .recipe import Recipe, VariantSpec
+    from .runner import SUMMARY, preflight, run_recipe
+    from .sweep import lr_sensitivity, run_sweep
+
+_LAZY = {
+    "RUN_QUANTITIES": "checks",
+    "SWEEP_QUANTITIES": "checks",
+    "Check": "checks",
+    "RecipeError": "errors",
+    "find_recipe": "loader",
+    "list_recipe_files": "loader",
+    "load_recipe": "loader",
+    "Recipe": "recipe",
+    "VariantSpec": "recipe",
+    "SUMMARY": "runner",
+    "preflight": "runner",
+    "run_recipe": "runner",
+    "lr_sensitivity": "sweep",
+    "run_sweep": "sweep",
+}
+
+
+__getattr__ = lazy_names(__name__, _LAZY)
+
+
+__all__ = [
+    "RUN_QUANTITIES",
+    "SUMMARY",
+    "SWEEP_QUANTITIES",
+    "Check",
+    "Recipe",
+    "RecipeError",
+    "VariantSpec",
+    "find_recipe",
+    "list_recipe_files",
+    "load_recipe",
+    "lr_sensitivity",
+    "preflight",
+    "run_recipe",
+    "run_sweep",
+]

@@ -1,0 +1,223 @@
+"""`Recipe` and `VariantSpec`: a whole stress test, resolved for one size, and its parsing.
+
+`parse_recipe` runs once per load, on the TOML document with the chosen ``[sizes.<name>]`` table
+already merged over the top level (`stabkit.harness.recipes.loader`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from ...config import MonitorConfig
+from ...detectors.config import DetectConfig
+from ..models import PRESETS, GPTConfig
+from ..training import TrainConfig
+from .checks import Check, parse_checks
+from .errors import RecipeError
+from .fields import boolean, choice, string, table
+from .schema import (
+    DepthSpec,
+    FaultSpec,
+    SweepSpec,
+    parse_depth,
+    parse_detect,
+    parse_fault,
+    parse_model,
+    parse_monitor,
+    parse_sweep,
+    parse_train,
+    train_defaults,
+)
+
+ROLES = ("baseline", "intervention", "reference")
+TOP_KEYS = (
+    "name", "description", "references", "size", "model", "data", "train", "monitor", "detect",
+    "fault", "depth", "sweep", "variants", "criteria", "sizes",
+)  # fmt: skip
+SIZE_KEYS = (
+    "expect",
+    "note",
+    "model",
+    "train",
+    "monitor",
+    "detect",
+    "fault",
+    "depth",
+    "sweep",
+    "variants",
+    "criteria",
+)
+VARIANT_KEYS = ("role", "description", "interventions", "train", "fault", "detect", "fixed", "mechanism")
+CRITERIA_KEYS = ("reproduced", "fixed")
+
+
+@dataclass
+class VariantSpec:
+    """One arm of the comparison: the baseline, an intervention, or a reference run."""
+
+    name: str
+    role: str
+    """baseline (shows the instability), intervention (should fix it), reference (e.g. a safe LR)."""
+    train: TrainConfig
+    """The recipe's training settings with this variant's overrides."""
+    description: str = ""
+    interventions: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Registry name -> options, applied with `stabkit.interventions.apply_many`."""
+    fault: bool = True
+    """Whether the recipe's [fault] is injected in this variant."""
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """The recipe's [detect] with this variant's settings over it (e.g. the action on an event)."""
+    fixed: list[Check] | None = None
+    """This intervention's own "fixed" checks (None: the recipe's [criteria] fixed)."""
+    mechanism: list[Check] = field(default_factory=list)
+    """Checks reported whatever the verdict (e.g. "z-loss lowers |log Z|")."""
+
+
+@dataclass
+class Recipe:
+    """A stress test resolved for one size: what to train, what to compare, what counts."""
+
+    name: str
+    size: str
+    model: GPTConfig
+    train: TrainConfig
+    variants: list[VariantSpec]
+    reproduced: list[Check]
+    """Checks on the baseline: all pass -> "reproduced"."""
+    fixed: list[Check]
+    """Default checks on interventions: all pass -> "fixed"."""
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    """How the variants are monitored (the detectors: each variant's `detect`)."""
+    description: str = ""
+    references: list[str] = field(default_factory=list)
+    data: str | None = None
+    """Path of the training text (None: the embedded default)."""
+    detect: DetectConfig = field(default_factory=DetectConfig)
+    """The recipe's [detect] table (each variant may set more over it)."""
+    fault: FaultSpec | None = None
+    depth: DepthSpec | None = None
+    sweep: SweepSpec = field(default_factory=SweepSpec)
+    sizes: dict[str, dict[str, str]] = field(default_factory=dict)
+    """Per size: ``expect`` (what this size shows) and ``note``, for listings."""
+    source: str = ""
+    """File the recipe came from."""
+
+    @property
+    def baseline(self) -> VariantSpec:
+        return next(v for v in self.variants if v.role == "baseline")
+
+    def variant(self, name: str) -> VariantSpec:
+        for v in self.variants:
+            if v.name == name:
+                return v
+        raise KeyError(
+            f"recipe {self.name!r} has no variant {name!r}; variants: {[v.name for v in self.variants]}"
+        )
+
+
+def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
+    """{name: {option: value}} checked against the intervention registry."""
+    from ...interventions import REGISTRY
+
+    t = table(raw, where, tuple(REGISTRY))
+    out: dict[str, dict[str, Any]] = {}
+    for name, options in t.items():
+        spec = REGISTRY[name]
+        opts = table(options, f"{where}.{name}", tuple(spec.defaults))
+        for key, value in opts.items():
+            allowed = spec.choices.get(key)
+            if allowed is not None and value not in allowed:
+                raise RecipeError(
+                    f"{where}.{name}.{key}", f"must be one of {', '.join(map(str, allowed))}, got {value!r}"
+                )
+        out[name] = opts
+    return out
+
+
+def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig) -> VariantSpec:
+    """One [variants.<name>] table: its train and detect tables over the recipe's."""
+    where = f"variants.{name}"
+    t = table(raw, where, VARIANT_KEYS)
+    role = choice(t.get("role", "baseline" if name == "baseline" else "intervention"), f"{where}.role", ROLES)
+    fixed = parse_checks(t["fixed"], f"{where}.fixed") if "fixed" in t else None
+    return VariantSpec(
+        name=name,
+        role=role,
+        train=parse_train(t.get("train"), f"{where}.train", base=train),
+        description=string(t.get("description", ""), f"{where}.description"),
+        interventions=parse_interventions(t.get("interventions"), f"{where}.interventions"),
+        fault=boolean(t.get("fault", True), f"{where}.fault"),
+        detect=parse_detect(t["detect"], f"{where}.detect", base=detect) if "detect" in t else detect,
+        fixed=fixed,
+        mechanism=parse_checks(t.get("mechanism", []), f"{where}.mechanism"),
+    )
+
+
+def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") -> Recipe:
+    """A Recipe from a TOML document whose ``[sizes.<size>]`` table is already merged in."""
+    t = table(doc, "", TOP_KEYS)
+    size = choice(size, "size", tuple(PRESETS))
+    train = parse_train(t.get("train"), "train", base=train_defaults(size))
+    detect = parse_detect(t.get("detect"), "detect")
+    raw_variants = table(t.get("variants"), "variants", tuple(t.get("variants") or ()))
+    if not raw_variants:
+        raise RecipeError(
+            "variants", "at least one [variants.<name>] table is needed (one with role baseline)"
+        )
+    variants = [parse_variant(n, v, train, detect) for n, v in raw_variants.items()]
+    baselines = [v.name for v in variants if v.role == "baseline"]
+    if len(baselines) != 1:
+        raise RecipeError(
+            "variants", f"exactly one variant must have role baseline, found {baselines or 'none'}"
+        )
+    criteria = table(t.get("criteria"), "criteria", CRITERIA_KEYS)
+    data = table(t.get("data"), "data", ("path",))
+    sizes = {
+        s: {
+            k: string(v, f"sizes.{s}.{k}")
+            for k, v in table(spec, f"sizes.{s}", SIZE_KEYS).items()
+            if k in ("expect", "note")
+        }
+        for s, spec in (t.get("sizes") or {}).items()
+    }
+    recipe = Recipe(
+        name=string(t.get("name", name), "name"),
+        size=size,
+        model=parse_model(t.get("model"), size),
+        train=train,
+        variants=variants,
+        reproduced=parse_checks(criteria.get("reproduced", []), "criteria.reproduced"),
+        fixed=parse_checks(criteria.get("fixed", []), "criteria.fixed"),
+        monitor=parse_monitor(t.get("monitor")),
+        description=string(t.get("description", ""), "description"),
+        references=[string(r, "references") for r in t.get("references", [])],
+        data=string(data["path"], "data.path") if data.get("path") else None,
+        detect=detect,
+        fault=parse_fault(t.get("fault")),
+        depth=parse_depth(t.get("depth")),
+        sweep=parse_sweep(t.get("sweep")),
+        sizes=sizes,
+        source=source,
+    )
+    _check_references(recipe)
+    return recipe
+
+
+def _check_references(recipe: Recipe) -> None:
+    """Checks comparing with a reference need a reference variant; depth checks need [depth]."""
+    has_ref = any(v.role == "reference" for v in recipe.variants)
+    groups: list[tuple[str, list[Check]]] = [
+        ("criteria.reproduced", recipe.reproduced),
+        ("criteria.fixed", recipe.fixed),
+    ]
+    for v in recipe.variants:
+        groups += [(f"variants.{v.name}.fixed", v.fixed or []), (f"variants.{v.name}.mechanism", v.mechanism)]
+    for where, checks in groups:
+        for c in checks:
+            if c.vs == "reference" and not has_ref:
+                raise RecipeError(where, "compares with vs = 'reference' but no variant has role reference")
+            if c.metric == "depth_grad_ratio" and recipe.depth is None:
+                raise RecipeError(where, "uses depth_grad_ratio, which needs a [depth] table")
+            if c.metric.startswith("fault_") and recipe.fault is None:
+                raise RecipeError(where, f"uses {c.metric}, which needs a [fault] table")

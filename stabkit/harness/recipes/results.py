@@ -1,0 +1,70 @@
+"""What a variant's run amounts to: its table quantities from the losses, the monitor's history and
+events, and whether the detectors caught the recipe's fault.
+
+Called by the worker once a variant has ended (done, failed or interrupted), on every rank of a
+data-parallel job alike (the monitor's history and the recorded losses are the agreed values).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ...monitor import Monitor
+from .job import Job
+from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
+from .schema import FaultSpec
+
+
+def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor | None) -> dict[str, Any]:
+    """Quantities of a (possibly partial) run from its losses, monitor history and events."""
+    recipe = job.recipe
+    history = list(mon.history) if mon is not None else []
+    events = [e.to_dict() for e in mon.events] if mon is not None else []
+    out: dict[str, Any] = {"steps_done": len(losses), **monitored(history)}
+    out["initial_loss"] = losses[0] if losses else math.nan
+    out["final_loss"] = tail_mean(losses)
+    out["best_loss"] = best_smoothed(losses)
+    out["nonfinite_steps"] = sum(1 for v in losses if not math.isfinite(v))
+    out["bigram_loss"] = bigram_loss(recipe.data)
+    val = result.get("val_loss", math.nan)
+    done = result["status"] == "done"
+    out["diverged"] = float(not math.isfinite(val) or val >= out["bigram_loss"]) if done else math.nan
+    out["events"] = len(events)
+    kinds: dict[str, int] = {}
+    for e in events:
+        kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
+    out.update({f"events/{k}": n for k, n in kinds.items()})
+    out["event_list"] = events[:50]
+    out["first_event_step"] = events[0]["step"] if events else math.nan
+    out["first_event_kind"] = events[0]["kind"] if events else ""
+    fault = recipe.fault
+    if fault is not None:
+        out.update(fault_quantities(fault, events, losses))
+    if "depth" in result:
+        out["depth_grad_ratio"] = result["depth"]["depth_grad_ratio"]
+    out["aggregates"] = {
+        f"{agg}({pattern})": aggregate(history, pattern, agg)[0] for agg, pattern in job.history_checks
+    }
+    return out
+
+
+def fault_quantities(fault: FaultSpec, events: list[dict[str, Any]], losses: list[float]) -> dict[str, float]:
+    """Whether the detectors saw the injected fault (an event of the expected kind on its steps or
+    the next), named its module (nan / inf), and how far the loss jumped on its steps (nats above
+    the median of the 20 steps before)."""
+    kind = "spike" if fault.kind == "bad_batch" else "nonfinite"
+    window = [e for e in events if e["kind"] == kind and fault.step <= e["step"] <= fault.step + fault.length]
+    before = sorted(v for v in losses[max(0, fault.step - 20) : fault.step] if math.isfinite(v))
+    during = losses[fault.step : fault.step + fault.length]
+    jump = math.nan
+    if before and during:
+        jump = (
+            math.inf if any(not math.isfinite(v) for v in during) else max(during) - before[len(before) // 2]
+        )
+    return {
+        "fault_step": float(fault.step),
+        "fault_detected": float(bool(window)),
+        "fault_localized": float(any(fault.module in str(e.get("where", "")) for e in window)),
+        "fault_loss_jump": jump,
+    }

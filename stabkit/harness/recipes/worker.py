@@ -1,0 +1,257 @@
+"""One variant of a recipe, trained and measured in one process (a pool worker or the CLI itself),
+or on every rank of a torchrun job at once (`Job.ddp`, see `ddp.py`).
+
+`run_job` is four named steps: `build` (the recipe's GPT with the recipe's seed, so every variant
+starts from the same weights; the variant's interventions applied before the optimizer is built,
+so new gains train, and before any DDP wrap; the recipe's fault injected; autocast), `watch` (the
+optimizer and a monitor attached to it, logdir ``<out>/<variant>``, with the variant's detectors),
+`train_variant` (the loop, stepping the monitor and recording the interventions' own metrics, e.g.
+``logits/z_loss``, after each optimizer step), and `measure` (held-out loss before and after, and
+the quantities the verdicts read, `results.finish`). The interventions are applied here, not by
+``attach(..., interventions=)``, because the monitor removes those at detach, and the held-out loss
+after training must be measured on the model as trained. Progress goes to an optional callback; a
+set stop flag (or Ctrl-C) ends training at the next step with the logs flushed and a result whose
+status is "interrupted". Exceptions become status "failed" (traceback in ``<logdir>/error.txt``),
+so one broken variant never loses the others.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ...config import MonitorConfig
+from ...distributed import DistContext
+from ...interventions import Handle
+from ...monitor import Monitor, attach
+from ..data import load_corpus
+from ..models import GPT
+from ..training import TrainConfig, make_optimizer, train
+from . import ddp as ddp_mod
+from .depth import depth_sweep
+from .faults import FaultyCorpus, StepClock, autocast_forward, inject_output_fault
+from .job import Job, Progress
+from .measures import heldout
+from .recipe import Recipe, VariantSpec
+from .results import finish
+
+__all__ = ["Job", "Progress", "Stop", "run_job"]
+
+
+class Stop(KeyboardInterrupt):
+    """Raised inside the training loop when the parent asks the worker to stop."""
+
+
+@dataclass
+class Built:
+    """A variant ready to train (`build`)."""
+
+    model: nn.Module
+    """The recipe's GPT with the variant's interventions, fault and autocast (measured as is)."""
+    net: nn.Module
+    """What trains: `model`, or its DDP wrap."""
+    handle: Handle | None
+    """The interventions' handle (their metrics are logged each step)."""
+    corpus: Any
+    """The variant's corpus (with a bad-batch fault when the recipe has one)."""
+    train_corpus: Any
+    """What the loop draws from: `corpus`, or this rank's rows of it."""
+    config: TrainConfig
+    """The variant's training settings (a sweep's LR applied)."""
+    clock: StepClock
+    ctx: DistContext | None
+    notes: list[str] = field(default_factory=list)
+
+
+def new_result(job: Job, variant: VariantSpec, config: TrainConfig) -> dict[str, Any]:
+    """The result of a job that has not trained yet."""
+    return {
+        "variant": variant.name,
+        "run": job.name,
+        "role": variant.role,
+        "interventions": variant.interventions,
+        "lr": config.lr,
+        "steps": config.steps,
+        "steps_done": 0,
+        "logdir": job.logdir,
+        "status": "running",
+        "notes": [],
+    }
+
+
+def run_job(
+    job: Job, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None
+) -> dict[str, Any]:
+    """Train and measure one variant; never raises except for programming errors in the caller."""
+    start = time.perf_counter()
+    recipe, variant = job.recipe, job.recipe.variant(job.variant)
+    config = replace(variant.train, lr=job.lr) if job.lr is not None else variant.train
+    result = new_result(job, variant, config)
+    losses: list[float] = []
+    monitor: Monitor | None = None
+    report = progress or (lambda *a: None)
+    report(job.name, "start", 0, config.steps, math.nan)
+    ctx: DistContext | None = None
+    try:
+        ctx = ddp_mod.rank_context() if job.ddp else None
+        device = torch.device(job.device)
+        if recipe.depth is not None:
+            result["depth"] = measure_depth(recipe, variant, config, device)
+        run = build(recipe, variant, config, device, ctx)
+        result["notes"] += run.notes
+        result["init_val_loss"] = evaluate(recipe, run, device)["val_loss"]
+        opt, monitor = watch(job, run)
+        train_variant(job, run, opt, monitor, losses, report, should_stop, device)
+        result.update(evaluate(recipe, run, device))
+        if isinstance(run.train_corpus, ddp_mod.RankRows):  # rows this rank trained on per micro-batch
+            result["rows_per_process"] = run.train_corpus.drawn / max(1, len(losses) * config.grad_accum)
+        result["status"] = "done"
+    except KeyboardInterrupt:
+        result["status"] = "interrupted"
+    except Exception as exc:
+        record_failure(job, result, exc, ctx)
+    finally:
+        if monitor is not None:
+            monitor.detach()  # flushes the logs also when training was interrupted
+    result.update(finish(job, result, losses, monitor))
+    result["seconds"] = time.perf_counter() - start
+    report(job.name, result["status"], len(losses), config.steps, losses[-1] if losses else math.nan)
+    return result
+
+
+def measure_depth(
+    recipe: Recipe, variant: VariantSpec, config: TrainConfig, device: torch.device
+) -> dict[str, Any]:
+    """The init-time depth sweep of [depth] on clean data."""
+    assert recipe.depth is not None
+    depth_batch = min(config.batch_size, 16)  # enough for a grad-norm estimate, also at GPU sizes
+    clean = load_corpus(recipe.data)
+    return depth_sweep(
+        recipe.model, variant.interventions, recipe.depth, clean, depth_batch, config.seed, device
+    )
+
+
+def build(
+    recipe: Recipe, variant: VariantSpec, config: TrainConfig, device: torch.device, ctx: DistContext | None
+) -> Built:
+    """The variant's model (interventions, fault, autocast) and data, ready to train."""
+    corpus: Any = load_corpus(recipe.data)
+    fault = recipe.fault if variant.fault else None
+    if fault is not None and fault.kind == "bad_batch":
+        corpus = FaultyCorpus(corpus, fault, config.grad_accum, config.seed)
+    train_corpus = corpus if ctx is None else ddp_mod.RankRows.for_rank(corpus, config.batch_size, ctx)
+    model, handle = build_model(recipe, variant.interventions, config.seed, device)
+    clock = StepClock()
+    notes = []
+    if fault is not None and fault.kind in ("nan", "inf"):
+        inject_output_fault(model, fault, clock)
+        if ctx is not None:
+            notes.append("under DDP the detectors do not replay a non-finite step: not localized")
+    autocast_forward(model, config.precision, device)
+    net = model if ctx is None else ddp_mod.wrap(model, device)
+    return Built(model, net, handle, corpus, train_corpus, config, clock, ctx, notes)
+
+
+def build_model(
+    recipe: Recipe, interventions: dict[str, dict[str, Any]], seed: int, device: torch.device
+) -> tuple[nn.Module, Handle | None]:
+    """The recipe's GPT built with `seed` (same weights for every variant), interventions applied
+    (their handle, None without interventions). Build the optimizer afterwards: new gains train."""
+    from ...interventions import apply_many
+
+    torch.manual_seed(seed)
+    model = GPT(recipe.model)
+    handle = apply_many(model, {k: dict(v) for k, v in interventions.items()}) if interventions else None
+    return model.to(device), handle
+
+
+def monitor_config(recipe: Recipe, variant: VariantSpec) -> MonitorConfig:
+    """The recipe's [monitor] settings with the variant's detectors; no console (the CLI shows
+    progress bars) and the whole history kept (the verdicts aggregate over it)."""
+    return replace(recipe.monitor, detect=variant.detect, console=False, history=None)
+
+
+def watch(job: Job, run: Built) -> tuple[torch.optim.Optimizer, Monitor]:
+    """The optimizer, and a monitor attached to it and to the model that trains."""
+    variant = job.recipe.variant(job.variant)
+    opt = make_optimizer(run.net, run.config)
+    monitor = attach(run.net, opt, logdir=job.logdir, config=monitor_config(job.recipe, variant))
+    if run.handle is not None:
+        monitor.write_text("stabkit/interventions", ", ".join(run.handle.names))
+    return opt, monitor
+
+
+def train_variant(
+    job: Job,
+    run: Built,
+    opt: torch.optim.Optimizer,
+    monitor: Monitor,
+    losses: list[float],
+    report: Progress,
+    should_stop: Callable[[], bool] | None,
+    device: torch.device,
+) -> None:
+    """Train `run` with `monitor` stepped after each optimizer step (the interventions' metrics
+    recorded first, committed by that step and reduced across ranks like the other statistics);
+    losses go to `losses` as they come. Raises `Stop` when asked to stop (the ranks agree on it)."""
+    steps = run.config.steps
+    every = max(1, steps // 100)
+    agree = ddp_mod.StepAgreement(device, should_stop) if run.ctx is not None else None
+    handle = run.handle
+
+    def after_update(loss: torch.Tensor) -> None:
+        if handle is not None:
+            for name, value in handle.metrics().items():
+                monitor.recorder.add(name, value)
+        monitor.step(loss)
+
+    def on_step(step: int, loss: float) -> None:
+        run.clock.step = step + 1
+        if agree is not None:  # the mean loss over ranks; a stop every rank takes at this step
+            loss, stop = agree(loss)
+        else:
+            stop = should_stop is not None and should_stop()
+        losses.append(loss)
+        if stop:
+            raise Stop
+        if step % every == 0 or step == steps - 1:
+            report(job.name, "step", step + 1, steps, loss)
+
+    train(
+        run.net,
+        run.train_corpus,
+        run.config,
+        context=job.recipe.model.context,
+        optimizer=opt,
+        after_update=after_update,
+        on_step=on_step,
+        on_end=monitor.detach,  # the held-out loss after training is measured unmonitored
+        evaluate_at_end=False,
+        device=device,
+    )
+
+
+def evaluate(recipe: Recipe, run: Built, device: torch.device) -> dict[str, float]:
+    """Held-out loss and log Z of the model as it is now (the same batches every time)."""
+    config = run.config
+    return heldout(
+        run.model, run.corpus, config.eval_batches, config.batch_size, recipe.model.context, device
+    )
+
+
+def record_failure(job: Job, result: dict[str, Any], exc: Exception, ctx: DistContext | None) -> None:
+    """Status "failed", the error in one line, the traceback in ``<logdir>/error.txt`` (with DDP,
+    rank 0 writes: the ranks fail alike)."""
+    result["status"] = "failed"
+    result["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    if ctx is None or ctx.writes:
+        Path(job.logdir).mkdir(parents=True, exist_ok=True)
+        (Path(job.logdir) / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")
