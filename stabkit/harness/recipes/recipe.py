@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import MonitorConfig
-from ...detectors.config import DetectConfig
+from ...detect_config import DetectConfig
 from ..models import PRESETS, GPTConfig
 from ..training import TrainConfig
 from .checks import Check, parse_checks

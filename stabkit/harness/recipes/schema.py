@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ...config import MonitorConfig
-from ...detectors.config import DetectConfig
+from ...detect_config import DetectConfig
 from ...tables import TableError, bounds, fill
 from ..models import GPTConfig, preset_config
 from ..models.presets import PRESET_BATCH
