@@ -26,7 +26,7 @@ BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.demo_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 RECIPE = (ROOT / "recipes" / "attention-logit-growth.toml").read_text()
 
 

@@ -26,7 +26,7 @@ BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:

@@ -31,7 +31,7 @@ from stabkit.recipes.ddp import RankRows
 from stabkit.recipes.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIRST_STEPS = 5
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
 

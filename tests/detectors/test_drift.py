@@ -7,11 +7,12 @@ import itertools
 import math
 
 import torch
-from test_detectors_helpers import text_batches
 from zoo import reference_gpt
 
 import stabkit
 from stabkit.detectors import DetectConfig, DriftDetector, install
+
+from .helpers import text_batches
 
 
 def detector(**overrides: object) -> DriftDetector:

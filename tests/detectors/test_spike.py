@@ -9,12 +9,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from test_detectors_helpers import realistic_rows, text_batches
 from zoo import reference_gpt
 
 import stabkit
 from stabkit.detectors import DetectConfig, SpikeDetector, install
 from stabkit.detectors.rolling import MAD_TO_SIGMA
+
+from .helpers import realistic_rows, text_batches
 
 
 def fill(det: SpikeDetector, name: str, values: list[float]) -> None:
@@ -109,7 +110,7 @@ def test_loss_times_ten_is_a_spike_at_that_step() -> None:
 @pytest.mark.parametrize("seed", range(5))
 def test_stable_synthetic_2000_steps_give_no_events(seed: int) -> None:
     """2000 steps of series shaped and noised like the tiny GPT's measured stable runs (see
-    test_detectors_helpers.realistic_rows), fed through the Monitor's drain path."""
+    helpers.realistic_rows), fed through the Monitor's drain path."""
     model = reference_gpt(vocab_size=256)
     mon = stabkit.attach(model, None, config=stabkit.MonitorConfig(console=False, detect=None))
     handle = install(mon)

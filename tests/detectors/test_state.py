@@ -6,11 +6,12 @@ import copy
 import json
 
 import pytest
-from test_detectors_helpers import realistic_rows
 from zoo import reference_gpt
 
 import stabkit
 from stabkit.detectors import DetectorHandle, install
+
+from .helpers import realistic_rows
 
 Rows = list[tuple[int, dict[str, float]]]
 

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from stabkit.sinks import read_jsonl
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "train.py"
 sys.path.insert(0, str(HERE / "dist_workers"))
 

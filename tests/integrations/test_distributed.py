@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-HERE = Path(__file__).parent
+HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "hf_trainer.py"
 
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 import zoo
-from test_attention_probe import CASES, EXACT, QK, assert_close, causal_and_keys, heads, reference, sharpen
 from torch import nn
 
 import stabkit
+
+from .test_attention import CASES, EXACT, QK, assert_close, causal_and_keys, heads, reference, sharpen
 
 
 def test_model_softcap_reports_raw_and_capped_max() -> None:

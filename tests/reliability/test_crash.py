@@ -11,7 +11,7 @@ import pytest
 
 from stabkit.sinks import LOG_NAME, read_jsonl
 
-WORKER = str(Path(__file__).with_name("crash_worker.py"))
+WORKER = str(Path(__file__).parents[1] / "crash_worker.py")
 
 
 def logged_steps(logdir: Path) -> list[int]:

@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_monitor import hook_state
 from torch import nn
 from zoo import EncoderLM, lm_loss
 
 import stabkit
 from stabkit.models import GPT, GPTConfig
+
+from ..monitor.test_monitor import hook_state
 
 SETTINGS = settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -18,7 +18,7 @@ import torch
 
 from stabkit.sinks import LOG_NAME, read_jsonl
 
-TESTS = str(Path(__file__).resolve().parent)
+TESTS = str(Path(__file__).resolve().parents[1])
 
 SCRIPT = textwrap.dedent(
     """

@@ -1,4 +1,4 @@
-"""The recipe runner on shortened runs (machinery, not the Done-when numbers: see test_recipes_slow.py):
+"""The recipe runner on shortened runs (machinery, not the Done-when numbers: see test_slow.py):
 identical init and data across variants, logs per variant, summary numbers that match the logs,
 faults that fire and are caught, partial summaries on interruption and on a crashing variant."""
 

@@ -1,7 +1,7 @@
 """Full-length tiny recipes: the issue's Done-when numbers (minutes each, on 2 CPU cores).
 
 Marked `slow` (deselected by default; run with ``-m slow``): the default suite tests the same
-machinery on shortened runs (test_recipes_run.py, test_cli_run.py).
+machinery on shortened runs (harness/recipes/test_run.py, cli/test_run.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
