@@ -14,6 +14,7 @@ from stabkit.bench.report import memory_verdict
 from stabkit.cli import main
 
 
+@pytest.mark.multiprocess
 def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(

@@ -28,6 +28,7 @@ def test_inspect_prints_the_map(spec: str) -> None:
         assert "model.layers.31.self_attn" in result.output  # LlamaConfig() default: 32 layers
 
 
+@pytest.mark.multiprocess
 def test_inspect_bad_spec_exits_2_with_one_line() -> None:
     proc = run_cli("inspect", "hf:nonsense")
     assert proc.returncode == 2
@@ -35,12 +36,14 @@ def test_inspect_bad_spec_exits_2_with_one_line() -> None:
     assert len(lines) == 1 and "hf:nonsense" in lines[0] and "Traceback" not in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_unknown_option_exits_2_with_one_line() -> None:
     proc = run_cli("demo", "--steps", "zero")
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "--steps" in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_demo_trains_and_logs(tmp_path: Path) -> None:
     logdir = tmp_path / "demo"
     proc = run_cli("demo", "--steps", "60", "--logdir", str(logdir))

@@ -57,6 +57,7 @@ def recipe_file(tmp_path: Path, old: str, new: str) -> Path:
     return path
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("command", ["run", "demo"])
 def test_output_folder_that_cannot_be_created_exits_2(tmp_path: Path, command: str) -> None:
     blocker = tmp_path / "a-file"
@@ -90,6 +91,7 @@ def test_read_only_output_folder_exits_2(
     assert flag in lines[-1] and "Traceback" not in result.output
 
 
+@pytest.mark.multiprocess
 def test_missing_data_path_is_found_when_the_recipe_loads(tmp_path: Path) -> None:
     path = recipe_file(tmp_path, '# [data]\n# path = "my.txt"', '[data]\npath = "nope.txt"')
     one_line_error(
@@ -98,6 +100,7 @@ def test_missing_data_path_is_found_when_the_recipe_loads(tmp_path: Path) -> Non
     assert not (tmp_path / "o" / "summary.json").exists()  # nothing started
 
 
+@pytest.mark.multiprocess
 def test_too_short_data_is_found_when_the_recipe_loads(tmp_path: Path) -> None:
     (tmp_path / "short.txt").write_text("tiny text " * 20)
     path = recipe_file(tmp_path, '# [data]\n# path = "my.txt"', '[data]\npath = "short.txt"')
@@ -119,6 +122,7 @@ def test_data_must_cover_the_context_of_a_larger_preset(tmp_path: Path) -> None:
         load_recipe("attention-logit-growth", "gpt2", data=str(text))
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("value", ["0", "100000", "-3"])
 def test_batch_size_has_a_bound_with_a_clear_message(tmp_path: Path, value: str) -> None:
     path = recipe_file(tmp_path, "steps = 300\n", f"steps = 300\nbatch_size = {value}\n")

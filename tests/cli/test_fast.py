@@ -52,11 +52,13 @@ def run_python(code: str) -> str:
     return proc.stdout
 
 
+@pytest.mark.multiprocess
 def test_help_imports_neither_torch_nor_scipy() -> None:
     heavy = imported_modules(["--help"]) & set(HEAVY)
     assert not heavy, f"`stabkit --help` imported {sorted(heavy)}"
 
 
+@pytest.mark.multiprocess
 def test_light_commands_import_neither_torch_nor_scipy() -> None:
     """Each command's --help and `list recipes|presets|advice`, each in a fresh interpreter."""
     cases = [[c, "--help"] for c in COMMANDS] + [["list", s] for s in ("recipes", "presets", "advice")]
@@ -83,6 +85,7 @@ def test_light_commands_import_neither_torch_nor_scipy() -> None:
     assert all(v == "[]" for v in found.values()), {k: v for k, v in found.items() if v != "[]"}
 
 
+@pytest.mark.multiprocess
 def test_import_stabkit_is_light_and_names_resolve_lazily() -> None:
     out = run_python(
         """
@@ -99,6 +102,7 @@ def test_import_stabkit_is_light_and_names_resolve_lazily() -> None:
     assert scipy_after == "False", "scipy.stats loads on the first drift fit, not with the library"
 
 
+@pytest.mark.multiprocess
 def test_stabkit_audit_is_the_function_whatever_was_imported_first() -> None:
     out = run_python(
         """

@@ -46,6 +46,7 @@ def invoke(*args: str) -> tuple[int, str]:
     return result.exit_code, result.output
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
@@ -63,6 +64,7 @@ def test_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
 
 
+@pytest.mark.multiprocess
 def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path) -> None:
     text = (ROOT / "recipes" / "attention-logit-growth.toml").read_text()
     (tmp_path / "a.toml").write_text(text.replace("warmup = 15", "warmpu = 15"))
@@ -151,6 +153,8 @@ def test_list_sections() -> None:
     assert all(f"== {s} ==" in text for s in ("interventions", "recipes", "presets", "advice"))
 
 
+@pytest.mark.multiprocess
+@pytest.mark.signals
 def test_ctrl_c_leaves_flushed_logs_and_a_partial_summary(tmp_path: Path) -> None:
     out = tmp_path / "int"
     proc = subprocess.Popen(
@@ -177,6 +181,7 @@ def test_ctrl_c_leaves_flushed_logs_and_a_partial_summary(tmp_path: Path) -> Non
     assert math.isnan(float(summary["variants"]["baseline"]["diverged"]))
 
 
+@pytest.mark.multiprocess
 def test_data_flag_trains_on_the_users_text(tmp_path: Path) -> None:
     text = tmp_path / "mine.txt"
     text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)

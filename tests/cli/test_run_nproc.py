@@ -58,6 +58,7 @@ def rel(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
 
+@pytest.mark.multiprocess
 def test_two_processes_log_what_one_process_logs(tmp_path: Path) -> None:
     common = ["run", "attention-logit-growth", "--size", "tiny", "--steps", "20", "--seed", "0"]
     one = stabkit_cli(*common, "--jobs", "1", "--out", str(tmp_path / "one"))
@@ -107,6 +108,8 @@ def test_nproc_bad_combinations_exit_2_with_one_line() -> None:
         assert len(lines) == 1 and needle in lines[0] and not result.stdout, lines
 
 
+@pytest.mark.multiprocess
+@pytest.mark.signals
 def test_ctrl_c_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
     out = tmp_path / "int"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

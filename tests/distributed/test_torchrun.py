@@ -27,7 +27,10 @@ sys.path.insert(0, str(HERE / "dist_workers"))
 
 from common import CLIP, STEPS, single_process_rows  # noqa: E402
 
-pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
+pytestmark = [
+    pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed"),
+    pytest.mark.multiprocess,
+]
 
 EXACT = ("grad/", "param/", "update/", "loss", "logits/")
 EXACT_STATS = ("/absmax", "/nonfinite", "/max_logit", "/entropy")

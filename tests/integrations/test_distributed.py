@@ -15,6 +15,8 @@ import pytest
 HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "hf_trainer.py"
 
+pytestmark = pytest.mark.multiprocess
+
 
 def test_hf_trainer_ddp_norms_and_loss_match_the_trainers_own(tmp_path: Path) -> None:
     pytest.importorskip("accelerate")

@@ -13,11 +13,14 @@ from stabkit.sinks import LOG_NAME, read_jsonl
 
 WORKER = str(Path(__file__).parents[1] / "crash_worker.py")
 
+pytestmark = pytest.mark.multiprocess
+
 
 def logged_steps(logdir: Path) -> list[int]:
     return [r["step"] for r in read_jsonl(logdir / LOG_NAME) if r["type"] == "metrics"]
 
 
+@pytest.mark.signals
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_signal_mid_run_leaves_logs_up_to_the_last_finished_step(sig: signal.Signals, tmp_path: Path) -> None:
     proc = subprocess.Popen(

@@ -20,6 +20,8 @@ from stabkit.sinks import LOG_NAME, read_jsonl
 
 TESTS = str(Path(__file__).resolve().parents[1])
 
+pytestmark = [pytest.mark.multiprocess, pytest.mark.signals]
+
 SCRIPT = textwrap.dedent(
     """
     import os, signal, sys

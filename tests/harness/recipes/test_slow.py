@@ -20,7 +20,7 @@ BOOT = (
     "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
     "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 )
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
 def stabkit(*args: str) -> tuple[dict[str, Any], str, float]:
