@@ -1,4 +1,4 @@
-"""Subprocess used by test_reliability_crash: trains under attach and prints each finished step.
+"""Subprocess used by reliability/test_crash.py: trains under attach and prints each finished step.
 
 Usage: python crash_worker.py LOGDIR MODE  (MODE: loop = train until killed; raise = raise at step 5,
 outside any `with` block)

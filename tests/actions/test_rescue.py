@@ -8,7 +8,6 @@ from typing import Any
 
 import pytest
 import torch
-from test_detectors_helpers import text_batches
 from zoo import reference_gpt
 
 import stabkit
@@ -17,6 +16,8 @@ from stabkit.actions.rescue import Rescue
 from stabkit.detectors.nonfinite import KeptForward, rng_state
 from stabkit.events import Event, InstabilityError
 from stabkit.interventions import active_interventions
+
+from ..detectors.helpers import text_batches
 
 
 def trained(steps: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:

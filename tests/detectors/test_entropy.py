@@ -7,11 +7,12 @@ import json
 
 import pytest
 import torch
-from test_detectors_helpers import text_batches
 from zoo import reference_gpt
 
 import stabkit
 from stabkit.detectors import DetectConfig, DetectorContext, EntropyCollapseDetector, Judge
+
+from .helpers import text_batches
 
 SERIES = "attn/blocks.1.attn/min_head_entropy"
 

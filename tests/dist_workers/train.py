@@ -1,4 +1,4 @@
-"""One rank of the distributed tests; launched by tests/test_distributed.py under torchrun (gloo, CPU).
+"""One rank of the distributed tests; launched by tests/distributed/test_torchrun.py under torchrun (gloo, CPU).
 
 Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 train.py SCENARIO OUT
 

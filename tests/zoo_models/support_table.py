@@ -2,7 +2,7 @@
 call, and what each intervention does (verified in effect, or refused and why).
 
 Run from the repository root: ``python tests/zoo_models/support_table.py``. It runs the same checks
-as ``tests/test_zoo_discovery.py`` (a few minutes on a CPU); the table groups an architecture's sdpa and
+as ``tests/discovery/test_zoo.py`` (a few minutes on a CPU); the table groups an architecture's sdpa and
 eager entries when they agree.
 """
 
@@ -16,12 +16,13 @@ import warnings
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(__file__)))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "discovery"))
 torch.set_num_threads(1)
 
-import test_zoo_discovery as checks  # noqa: E402
+import test_zoo as checks  # noqa: E402
+from zoo_models import ZOO  # noqa: E402
 
 from stabkit.interventions import InterventionError, apply  # noqa: E402
-from zoo_models import ZOO  # noqa: E402
 
 SHORT = [
     (r"already has QK-norm", "has it"),

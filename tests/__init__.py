@@ -1,0 +1,1 @@
+"""stabkit's tests; one folder per subpackage (see test_layout.py)."""

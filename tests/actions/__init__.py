@@ -1,0 +1,1 @@
+"""Tests of the detectors' actions (skip, rollback, raise, dump): stabkit.detectors.actions."""

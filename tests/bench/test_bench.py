@@ -1,0 +1,81 @@
+"""`stabkit bench` runs end to end; on CUDA, monitored steps between log intervals never sync."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from stabkit.bench import BenchConfig
+from stabkit.bench.report import memory_verdict
+from stabkit.cli import main
+
+
+@pytest.mark.multiprocess
+def test_bench_tiny_end_to_end(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(
+        main,
+        ["bench", "--size", "tiny", "--steps", "5", "--repeats", "1", "--json", str(out)],
+        standalone_mode=False,
+    )
+    assert result.exit_code == 0, result.output
+    for name in ("bare", "default", "full", "anomaly"):
+        assert name in result.output
+    data = json.loads(out.read_text())
+    rows = data["variants"]
+    assert rows["bare"]["ratio_to_bare"] == 1.0
+    for name in ("default", "full", "anomaly"):
+        assert rows[name]["median_step_s"] > 0
+        assert rows[name]["ratio_to_bare"] == pytest.approx(
+            rows[name]["median_step_s"] / rows["bare"]["median_step_s"]
+        )
+        assert rows[name]["memory_overhead_bytes"] is not None  # peak tensor memory delta
+        assert rows[name]["rss_overhead_bytes"] is not None
+    assert data["model_bytes"] > 0
+
+
+def test_bench_rejects_bad_input() -> None:
+    with pytest.raises(ValueError, match="unknown variant"):
+        BenchConfig(variants=("bare", "fast"))
+    with pytest.raises(ValueError, match="must be >= 1"):
+        BenchConfig(steps=0)
+
+
+def test_memory_verdict() -> None:
+    assert memory_verdict(5, 1000, None) == "ok"
+    assert memory_verdict(15, 1000, 10) == "within noise"
+    assert memory_verdict(15, 1000, 2) == "OVER"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_no_host_sync_between_log_intervals_on_cuda() -> None:
+    import stabkit
+    from stabkit.harness.models import GPT, preset_config
+
+    model = GPT(preset_config("tiny")).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    log_every = 5
+    mon = stabkit.attach(
+        model, opt, config=stabkit.MonitorConfig(every=2, log_every=log_every, console=False)
+    )
+    x = torch.randint(0, 256, (4, 64), device="cuda")
+    for step in range(3 * log_every):
+        flushing = (step + 1) % log_every == 0
+        torch.cuda.set_sync_debug_mode("warn" if flushing else "error")
+        try:
+            logits = model(x)
+            loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), x.flatten())
+            loss.backward()
+            opt.step()
+            if not flushing:
+                mon.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        if flushing:
+            mon.step(loss)  # the one host copy of the interval happens here
+        opt.zero_grad(set_to_none=True)
+    mon.detach()

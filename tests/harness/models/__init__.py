@@ -1,0 +1,1 @@
+"""Tests of stabkit.harness.models (stabkit.models before the harness move)."""

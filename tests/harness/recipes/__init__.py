@@ -1,0 +1,1 @@
+"""Tests of stabkit.harness.recipes (stabkit.recipes before the harness move)."""

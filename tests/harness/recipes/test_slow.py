@@ -1,0 +1,101 @@
+"""Full-length tiny recipes: the issue's Done-when numbers (minutes each, on 2 CPU cores).
+
+Marked `slow` (deselected by default; run with ``-m slow``): the default suite tests the same
+machinery on shortened runs (harness/recipes/test_run.py, cli/test_run.py).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[3]
+BOOT = (
+    "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
+    "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
+)
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+
+
+def stabkit(*args: str) -> tuple[dict[str, Any], str, float]:
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", BOOT, *args],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=False,
+        cwd=ROOT,
+    )
+    seconds = time.perf_counter() - start
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = Path(args[args.index("--out") + 1])
+    name = "sweep.json" if args[0] == "sweep" else "summary.json"
+    return json.loads((out / name).read_text()), proc.stdout, seconds
+
+
+def verdicts(summary: dict[str, Any]) -> dict[str, str]:
+    return {n: v["verdict"] for n, v in summary["verdicts"].items()}
+
+
+def test_attention_logit_growth(tmp_path: Path) -> None:
+    s, text, seconds = stabkit("run", "attention-logit-growth", "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    base, qk = s["variants"]["baseline"], s["variants"]["qk_norm"]
+    assert base["max_attn_logit"] > 1e3 and base["val_loss"] > s["variants"]["reference"]["val_loss"] + 0.25
+    assert qk["max_attn_logit"] < 100
+    assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["qk_norm"] == "fixed"
+    assert seconds < 300  # the issue: <= ~3 minutes on 2 cores (the machine may be shared)
+
+
+def test_lr_sensitivity_sweep(tmp_path: Path) -> None:
+    s, text, seconds = stabkit("sweep", "lr-sensitivity", "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    base, fix = s["variants"]["baseline"], s["variants"]["qk_norm_z_loss"]
+    assert base["lr_sensitivity_high"] >= 2 * fix["lr_sensitivity_high"]
+    assert verdicts(s) == {"baseline": "reproduced", "qk_norm_z_loss": "fixed"}
+
+
+def test_output_logit_divergence(tmp_path: Path) -> None:
+    s, text, seconds = stabkit("run", "output-logit-divergence", "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    v = s["variants"]
+    assert v["z_loss"]["mean_abs_logz"] <= v["baseline"]["mean_abs_logz"] - 0.2
+    assert verdicts(s)["baseline"] in ("reproduced", "not reproduced")  # honest either way
+    if verdicts(s)["baseline"] == "not reproduced":
+        assert verdicts(s)["z_loss"] == "not reproduced at this size"
+    assert seconds < 300
+
+
+def test_post_norm_no_warmup(tmp_path: Path) -> None:
+    s, text, seconds = stabkit("run", "post-norm-no-warmup", "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    v = s["variants"]
+    assert v["baseline"]["depth_grad_ratio"] > 0.9 and v["pre"]["depth_grad_ratio"] < 0.6
+    assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["pre"] == "fixed"
+    assert seconds < 300
+
+
+@pytest.mark.parametrize("recipe", ["nan-injection", "loss-spike"])
+def test_faults_are_caught_and_training_goes_on(tmp_path: Path, recipe: str) -> None:
+    s, text, seconds = stabkit("run", recipe, "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["skip"] == "fixed"
+    assert s["variants"]["skip"]["fault_detected"] == 1.0
+    assert seconds < 300
+
+
+def test_low_precision_is_honest_on_a_cpu(tmp_path: Path) -> None:
+    s, text, seconds = stabkit("run", "low-precision", "--jobs", "2", "--out", str(tmp_path / "o"))
+    print(text, f"\n{seconds:.0f} s")
+    v = s["variants"]
+    reproduced = v["baseline"].get("events/nonfinite", 0) >= 1
+    assert verdicts(s)["baseline"] == ("reproduced" if reproduced else "not reproduced")
+    assert v["qk_norm"]["max_attn_logit"] < 1000
+    assert seconds < 300

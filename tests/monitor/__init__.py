@@ -1,0 +1,1 @@
+"""Tests of the Monitor as a whole: stabkit.monitor, stabkit.lifecycle."""

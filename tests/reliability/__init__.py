@@ -1,0 +1,1 @@
+"""Tests of cross-cutting robustness: what real training scripts, crashes, signals, full disks and odd inputs do."""
