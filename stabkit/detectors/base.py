@@ -130,6 +130,7 @@ class Detector:
     def __init__(self, ctx: DetectorContext) -> None:
         self.ctx = ctx
         self._wants: dict[str, bool] = {}
+        self._before: dict[str, bool] = {}
 
     def wants(self, name: str) -> bool:
         """True when series `name` is one this detector reads (cached per name)."""
@@ -141,7 +142,10 @@ class Detector:
 
     def judged_before_update(self, name: str) -> bool:
         """True when `name` is judged in the optimizer step pre-hook when deciding per step."""
-        return any(fnmatch.fnmatchcase(name, p) for p in self.before_update)
+        hit = self._before.get(name)
+        if hit is None:
+            hit = self._before[name] = any(fnmatch.fnmatchcase(name, p) for p in self.before_update)
+        return hit
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """Judge the values of `step` (only series it `wants`, in the order recorded)."""

@@ -87,8 +87,10 @@ class Decider:
         value = committed.get if committed is not None else self.recorder.current
         watch = self.watch
         flag = watch.flag(step, value, record=committed is None) if watch is not None else None
-        names = list(committed) if committed is not None else self.recorder.current_names()
-        early = self.judge.wanted(names, self.per_step, before_update=True)
+        early: list[str] = []
+        if self.per_step:
+            names = list(committed) if committed is not None else self.recorder.current_names()
+            early = self.judge.wanted(names, self.per_step, before_update=True)
         self._judged_before = set(early)
         first = [flag] if self.nonfinite_per_step and flag is not None else []
         tensors = [t for n in early if (t := value(n)) is not None]
@@ -124,7 +126,9 @@ class Decider:
     def _after_update(self, step: int, committed: dict[str, torch.Tensor]) -> None:
         watch = self.watch
         checks = watch.after_update_checks(committed) if watch is not None and self.nonfinite_per_step else []
-        later = [n for n in self.judge.wanted(committed, self.per_step) if n not in self._judged_before]
+        later: list[str] = []
+        if self.per_step:
+            later = [n for n in self.judge.wanted(committed, self.per_step) if n not in self._judged_before]
         reductions = self.recorder.reductions
         host = _fetch(
             [t for _, t in checks] + [committed[n] for n in later],
