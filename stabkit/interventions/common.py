@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect_model
-from ..harness.models import RMSNorm
+from ..layers import RMSNorm
 from .handle import Handle, InterventionError
 
 _MISSING = object()

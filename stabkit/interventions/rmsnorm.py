@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import nn
 
-from ..harness.models import RMSNorm
+from ..layers import RMSNorm
 from .common import keep_slow_path, parent_of, swap_module
 from .handle import Handle, InterventionError
 
