@@ -68,6 +68,13 @@ class Registry(Generic[T]):
         """Remove `name` (e.g. a test's plug-in); unknown names are ignored."""
         self._entries.pop(name, None)
 
+    def describe(self, name: str) -> str:
+        """Where `name` comes from (``module:Class``), without importing it."""
+        entry = self._entries[name]
+        return (
+            entry if isinstance(entry, str) else f"{entry.__module__}:{getattr(entry, '__qualname__', entry)}"
+        )
+
     def names(self) -> tuple[str, ...]:
         """Every registered name, in registration order (built-ins first). Imports nothing."""
         return tuple(self._entries)

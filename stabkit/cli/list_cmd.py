@@ -1,6 +1,6 @@
-"""`stabkit list [interventions|recipes|presets|advice]`: what stabkit ships, one section or all.
+"""`stabkit list [interventions|recipes|presets|advice|plugins]`: what stabkit ships, one section or all.
 
-Runs without importing torch for recipes, presets and advice (plain data read from light
+Runs without importing torch for recipes, presets, advice and plugins (plain data read from light
 modules); `interventions` imports the intervention registry, which imports torch.
 """
 
@@ -16,7 +16,7 @@ from .app import main
 if TYPE_CHECKING:
     from ..harness.models.config import GPTConfig
 
-SECTIONS = ("interventions", "recipes", "presets", "advice")
+SECTIONS = ("interventions", "recipes", "presets", "advice", "plugins")
 
 
 def interventions_text() -> str:
@@ -105,15 +105,28 @@ def advice_text() -> str:
     return str(describe_advice())
 
 
+def plugins_text() -> str:
+    """The registered probes, detectors and actions, with where each comes from (imports none)."""
+    from ..plugins import ACTIONS, DETECTORS, PROBES
+
+    lines = []
+    for registry in (PROBES, DETECTORS, ACTIONS):
+        lines.append(f"{registry.family}s:")
+        lines += [f"  {name:<14} {registry.describe(name)}" for name in registry.names()]
+    return "\n".join(lines)
+
+
 @main.command(name="list")
 @click.argument("section", required=False, type=click.Choice(SECTIONS))
 def list_command(section: str | None) -> None:
-    """List interventions, recipes, model presets or the detectors' advice table (all when omitted)."""
+    """List interventions, recipes, model presets, the detectors' advice table or the registered
+    plug-ins (all when omitted)."""
     makers = {
         "interventions": interventions_text,
         "recipes": recipes_text,
         "presets": presets_text,
         "advice": advice_text,
+        "plugins": plugins_text,
     }
     chosen = [section] if section else list(SECTIONS)
     for i, name in enumerate(chosen):

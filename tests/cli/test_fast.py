@@ -61,7 +61,7 @@ def test_help_imports_neither_torch_nor_scipy() -> None:
 @pytest.mark.multiprocess
 def test_light_commands_import_neither_torch_nor_scipy() -> None:
     """Each command's --help and `list recipes|presets|advice`, each in a fresh interpreter."""
-    cases = [[c, "--help"] for c in COMMANDS] + [["list", s] for s in ("recipes", "presets", "advice")]
+    cases = [[c, "--help"] for c in COMMANDS] + [["list", s] for s in ("recipes", "presets", "advice", "plugins")]
     out = run_python(
         f"""
         import json, subprocess, sys
@@ -187,8 +187,9 @@ def test_non_embedding_params_counts_like_the_model(overrides: dict[str, object]
 def test_list_sections_print() -> None:
     result = CliRunner().invoke(main, ["list"], standalone_mode=False)
     assert result.exit_code == 0, result.output
-    for section in ("interventions", "recipes", "presets", "advice"):
+    for section in ("interventions", "recipes", "presets", "advice", "plugins"):
         assert f"== {section} ==" in result.output
+    assert "attn_entropy   stabkit.detectors.entropy:EntropyCollapseDetector" in result.output
     assert "qk_norm" in result.output and "attention-logit-growth" in result.output
     assert "tiny" in result.output and "0.10 M" in result.output  # tiny: ~100 k non-embedding parameters
 
