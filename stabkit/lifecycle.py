@@ -30,7 +30,7 @@ from typing import Any, Protocol
 
 
 class Flushable(Protocol):
-    """What lifecycle needs of a Monitor (also its `observers` list and `dist`, read with getattr)."""
+    """What lifecycle needs of a Monitor (also `flush_every_step` and `dist`, set and read with getattr)."""
 
     def flush(self) -> None: ...
 
@@ -65,11 +65,6 @@ def close_all() -> None:
     _LIVE.clear()
 
 
-def flush_at_each_step(monitor: Any, step: int, values: Any) -> None:
-    """Step observer added on SIGTERM: write every step out at once (the process may end any time)."""
-    monitor.flush()
-
-
 def flush_soon() -> None:
     """On SIGTERM: every live monitor flushes from its next `Monitor.step` on, every step. Not under
     torch.distributed, where a flush is a collective that every rank must reach at the same step
@@ -77,9 +72,7 @@ def flush_soon() -> None:
     for mon in list(_LIVE):
         if getattr(getattr(mon, "dist", None), "active", False):
             continue
-        observers = getattr(mon, "observers", None)
-        if observers is not None and flush_at_each_step not in observers:
-            observers.append(flush_at_each_step)
+        mon.flush_every_step = True  # the process may end any time: write every step out at once
 
 
 def chain(previous: Any, signum: int, frame: FrameType | None) -> None:

@@ -162,6 +162,8 @@ class Monitor:
         """Every hook stabkit put on the model and optimizer (`describe_hooks()` lists them)."""
         self._step = 0
         self._detached = False
+        self.flush_every_step = False
+        """Set on SIGTERM (`stabkit.lifecycle`): every `step()` writes out at once."""
         self.probes: list[Probe] = []
         self.detectors: DetectorSet | None = None
         """The detectors and actions, installed after the probes; None when `MonitorConfig.detect` is None."""
@@ -381,7 +383,7 @@ class Monitor:
                 self.detectors.on_step(self._step, committed)
         finally:  # an action may raise InstabilityError: the step still counts and logs still flush
             self._step += 1
-            if self._step % self.config.log_every == 0:
+            if self._step % self.config.log_every == 0 or self.flush_every_step:
                 self.flush()
 
     def flush(self) -> None:

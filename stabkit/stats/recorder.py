@@ -74,7 +74,7 @@ class Recorder:
     def commit(self, step: int) -> dict[str, torch.Tensor]:
         """Close the current step: its statistics join the pending interval, packed into one 1-d
         tensor per device (one object per step instead of hundreds of 0-d tensors, which cost memory
-        between log intervals). Returns the step's values as 0-d device tensors (for observers)."""
+        between log intervals). Returns the step's values as 0-d device tensors (for the detectors)."""
         values = {name: _finish(slot) for name, slot in self._current.items()}
         self._current = {}
         if values:
