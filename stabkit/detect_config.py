@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import fnmatch
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, TypeVar
 
 from .plugins import ACTIONS, DETECTORS
+
+OptionsT = TypeVar("OptionsT")
 
 LossFn = Callable[..., Any]
 """`loss_fn(output, *args, **kwargs) -> scalar loss`: recomputes a step's loss from the model output and inputs."""
@@ -192,6 +194,21 @@ class DetectConfig:
             if fnmatch.fnmatchcase(series, pattern):
                 return float(ratio)
         return 1.0
+
+    def options_for(self, name: str, options_class: type[OptionsT]) -> OptionsT:
+        """`options[name]` as `options_class` (a dataclass of a plug-in's settings), at attach; a
+        ValueError names the plug-in and the bad or unknown key."""
+        given = dict(self.options.get(name, {}))
+        known = {f.name for f in fields(options_class)}  # type: ignore[arg-type]
+        unknown = sorted(set(given) - known)
+        if unknown:
+            raise ValueError(
+                f"DetectConfig.options[{name!r}] has unknown key(s) {unknown}; allowed: {sorted(known)}"
+            )
+        try:
+            return options_class(**given)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"DetectConfig.options[{name!r}]: {exc}") from exc
 
     def resolved(self, device_type: str) -> DetectConfig:
         """This config with `sync` decided for a model on `device_type` (called once at attach)."""

@@ -82,15 +82,8 @@ class Rescue(Action):
 
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)
-        given = dict(ctx.config.options.get(self.name, {}))
-        try:
-            self.options = RescueOptions(**given)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"DetectConfig.options['rescue']: {exc}") from exc
-        c = ctx.config
-        self.snapshots = SnapshotStore(
-            ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device
-        )
+        self.options = ctx.config.options_for(self.name, RescueOptions)
+        self.snapshots = SnapshotStore.for_config(ctx.model, ctx.optimizer, ctx.config)
         self.done: list[dict[str, Any]] = []
         """What each rescue did (step, fix, options, restored step, output change): in `state_dict`."""
         self.handles: list[Any] = []

@@ -20,10 +20,7 @@ class Rollback(Action):
 
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)
-        c = ctx.config
-        self.snapshots = SnapshotStore(
-            ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device
-        )
+        self.snapshots = SnapshotStore.for_config(ctx.model, ctx.optimizer, ctx.config)
 
     def before_update(self, step: int) -> None:
         if self.snapshots.due(step):

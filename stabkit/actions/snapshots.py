@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..detect_config import DetectConfig
 from ..stats.finite import nonfinite_flag
 
 
@@ -51,6 +52,11 @@ class SnapshotStore:
         self.params = (
             list(dict.fromkeys(p for g in optimizer.param_groups for p in g["params"])) if optimizer else []
         )
+
+    @classmethod
+    def for_config(cls, model: nn.Module, optimizer: Any, config: DetectConfig) -> SnapshotStore:
+        """The store `DetectConfig`'s snapshot settings ask for (rollback, rescue)."""
+        return cls(model, optimizer, config.snapshot_every, config.snapshots, config.snapshot_device)
 
     def _tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}

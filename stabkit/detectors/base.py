@@ -22,17 +22,15 @@ from __future__ import annotations
 import fnmatch
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, ClassVar
 
-from ..detect_config import DetectConfig
+from ..detect_config import DetectConfig, OptionsT
 from ..events import Event
 from .advice import Advice
 
 if TYPE_CHECKING:
     from ..discovery import ModelMap
-
-OptionsT = TypeVar("OptionsT")
 
 
 @dataclass(frozen=True)
@@ -87,18 +85,8 @@ class DetectorContext:
         return None
 
     def options(self, kind: str, options_class: type[OptionsT]) -> OptionsT:
-        """`DetectConfig.options[kind]` as `options_class` (a dataclass); a clear error names a bad key."""
-        given = dict(self.config.options.get(kind, {}))
-        known = {f.name for f in fields(options_class)}  # type: ignore[arg-type]
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(
-                f"DetectConfig.options[{kind!r}] has unknown key(s) {unknown}; allowed: {sorted(known)}"
-            )
-        try:
-            return options_class(**given)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"DetectConfig.options[{kind!r}]: {exc}") from exc
+        """`DetectConfig.options[kind]` as `options_class` (see `DetectConfig.options_for`)."""
+        return self.config.options_for(kind, options_class)
 
 
 @dataclass

@@ -17,7 +17,7 @@ from stabkit.detectors.nonfinite import KeptForward, rng_state
 from stabkit.events import Event, InstabilityError
 from stabkit.interventions import active_interventions
 
-from ..detectors.helpers import text_batches
+from ..detectors.helpers import text_batches, train_with_logit_fault
 
 
 def trained(steps: int = 50) -> tuple[torch.nn.Module, torch.optim.Optimizer, torch.Tensor]:
@@ -136,18 +136,7 @@ def test_rescue_on_a_training_loop_rolls_back_switches_on_and_continues() -> Non
     mon = stabkit.attach(
         model, opt, config=stabkit.MonitorConfig(console=False, every=5, log_every=10, detect=detect)
     )
-    losses = []
-    for step, (x, y) in enumerate(text_batches(160, 8, 32, seed=0)):
-        if step == 90:
-            with torch.no_grad():  # the fault: block 1's attention logits ×100
-                model.blocks[1].attn.q_proj.weight.mul_(10)
-                model.blocks[1].attn.k_proj.weight.mul_(10)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
-        losses.append(loss.item())
+    losses = train_with_logit_fault(model, opt, mon, steps=160, fault_at=90)
     state = json.loads(json.dumps(mon.state_dict(), default=str))
     mon.detach()
     rescues = [e for e in mon.events if e.kind == "rescue"]

@@ -61,7 +61,9 @@ def test_help_imports_neither_torch_nor_scipy() -> None:
 @pytest.mark.multiprocess
 def test_light_commands_import_neither_torch_nor_scipy() -> None:
     """Each command's --help and `list recipes|presets|advice`, each in a fresh interpreter."""
-    cases = [[c, "--help"] for c in COMMANDS] + [["list", s] for s in ("recipes", "presets", "advice", "plugins")]
+    cases = [[c, "--help"] for c in COMMANDS] + [
+        ["list", s] for s in ("recipes", "presets", "advice", "plugins")
+    ]
     out = run_python(
         f"""
         import json, subprocess, sys

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -62,3 +63,22 @@ def realistic_rows(steps: int, seed: int, every: int = 10) -> list[tuple[int, di
             row["logits/logz_mean"] = 5.9 + 1.0 * (1 - math.exp(-t / 700)) + noise(0.02)
         rows.append((t, row))
     return rows
+
+
+def train_with_logit_fault(model: Any, opt: Any, mon: Any, steps: int, fault_at: int | None) -> list[float]:
+    """Train the tiny reference GPT (vocab 256, context 32) on text with `mon` attached; at step
+    `fault_at` scale block 1's q and k weights ×10 (its attention logits ×100: the attention turns
+    one-hot). Returns the losses."""
+    losses = []
+    for step, (x, y) in enumerate(text_batches(steps, 8, 32, seed=0)):
+        if step == fault_at:
+            with torch.no_grad():
+                model.blocks[1].attn.q_proj.weight.mul_(10)
+                model.blocks[1].attn.k_proj.weight.mul_(10)
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss)
+        losses.append(loss.item())
+    return losses

@@ -12,7 +12,7 @@ from zoo import reference_gpt
 import stabkit
 from stabkit.detectors import DetectConfig, DetectorContext, EntropyCollapseDetector, Judge
 
-from .helpers import text_batches
+from .helpers import train_with_logit_fault
 
 SERIES = "attn/blocks.1.attn/min_head_entropy"
 
@@ -83,16 +83,7 @@ def train(fault_at: int | None, steps: int = 160) -> stabkit.Monitor:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
     cfg = stabkit.MonitorConfig(console=False, every=5, log_every=50)
     mon = stabkit.attach(model, opt, config=cfg)
-    for step, (x, y) in enumerate(text_batches(steps, 8, 32, seed=0)):
-        if step == fault_at:
-            with torch.no_grad():  # the fault: block 1's logits ×100 (q and k ×10)
-                model.blocks[1].attn.q_proj.weight.mul_(10)
-                model.blocks[1].attn.k_proj.weight.mul_(10)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
+    train_with_logit_fault(model, opt, mon, steps, fault_at)
     mon.detach()
     return mon
 

@@ -16,7 +16,7 @@ import stabkit
 from stabkit.config import DEFAULT_FAMILIES
 from stabkit.plugins import ACTIONS, DETECTORS, PROBE_FAMILIES, PROBES
 
-from ..detectors.helpers import text_batches
+from ..detectors.helpers import text_batches, train_with_logit_fault
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 
@@ -59,19 +59,10 @@ def test_readme_plugins_work_on_a_training_loop(plugins: dict[str, Any], tmp_pat
     )
     mon = stabkit.attach(model, opt, logdir=tmp_path, config=cfg)
     assert "emb: forward hook on Embedding" in mon.describe_hooks()
-    batches = list(text_batches(100, 8, 32, seed=0))
+    first, _ = next(text_batches(1, 8, 32, seed=0))  # the loop's first batch
     with torch.no_grad():  # by hand: the RMS of the token embedding of the first batch, initial weights
-        expected = model.tok_emb(batches[0][0]).pow(2).mean().sqrt().item()
-    for step, (x, y) in enumerate(batches):
-        if step == 60:
-            with torch.no_grad():  # block 1's attention logits ×100: its attention turns one-hot
-                model.blocks[1].attn.q_proj.weight.mul_(10)
-                model.blocks[1].attn.k_proj.weight.mul_(10)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
+        expected = model.tok_emb(first).pow(2).mean().sqrt().item()
+    train_with_logit_fault(model, opt, mon, steps=100, fault_at=60)
     mon.detach()
     rows = dict(mon.history)
     assert rows[0]["emb/tok_emb/rms"] == pytest.approx(expected, rel=1e-6)
