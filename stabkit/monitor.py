@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from . import lifecycle
+from .attach_checks import check_inputs, check_optimizer, forget_compiled_code, unwrap_compiled
 from .config import MonitorConfig
 from .detect_config import DetectConfig
 from .detectors.wiring import DetectorSet, Wiring
@@ -47,68 +48,6 @@ InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str,
 def build_probes(config: MonitorConfig) -> list[Probe]:
     """One instance of every registered probe that serves a family in `config.families`, in order."""
     return [cls() for cls in PROBES.classes() if set(cls.families) & config.families]
-
-
-def unwrap_compiled(model: nn.Module) -> nn.Module:
-    """The module under a `torch.compile` wrapper (hooks go on it; names match eager), else `model`."""
-    inner = getattr(model, "_orig_mod", None)
-    return inner if isinstance(inner, nn.Module) else model
-
-
-def forget_compiled_code(warn: bool = True) -> None:
-    """At attach: when torch.compile has already compiled code in this process, drop it, so the next
-    call recompiles with stabkit's hooks (Dynamo does not guard on module hooks by default, so code
-    compiled before attach would run without them). Warns: compiled functions recompile once."""
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
-    counters = dynamo.utils.counters
-    if not (counters["stats"].get("unique_graphs", 0) or counters["frames"].get("ok", 0)):
-        return
-    dynamo.reset()
-    if warn:
-        warnings.warn(
-            "stabkit: torch.compile had compiled code in this process before attach; it was reset so that "
-            "stabkit's hooks run (compiled models recompile once at their next call)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-
-
-def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook on the root: refuse an empty batch with a message that says what to do."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0:
-            raise ValueError(
-                f"stabkit: the model got an empty batch (input of shape {tuple(value.shape)}); "
-                "skip empty batches in your data loader (drop_last=True, or filter zero-length sequences)"
-            )
-
-
-def check_optimizer(model: nn.Module, optimizer: Any) -> None:
-    """Raise when the optimizer(s) hold parameters that are not in `model`; warn about trainable
-    parameters that no optimizer holds (their gradients are monitored, but they never change)."""
-    if optimizer is None:
-        return
-    mine = {id(p) for p in model.parameters()}
-    held = {id(p) for g in optimizer.param_groups for p in g["params"]}
-    foreign = len(held - mine)
-    if foreign:
-        raise ValueError(
-            f"stabkit.attach: the optimizer holds {foreign} parameter(s) that are not in the model; "
-            "attach to the module that owns every optimized parameter (e.g. the wrapper, not a sub-module)"
-        )
-    orphans = [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in held]
-    if orphans:
-        more = f" and {len(orphans) - 3} more" if len(orphans) > 3 else ""
-        warnings.warn(
-            f"stabkit.attach: {len(orphans)} trainable parameter(s) are in no optimizer given to attach "
-            f"({', '.join(orphans[:3])}{more}); pass every optimizer: attach(model, [opt1, opt2])",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 class Monitor:
