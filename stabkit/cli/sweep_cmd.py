@@ -81,11 +81,11 @@ def sweep_command(
     click.echo("")
     click.echo(verdict_lines(summary))
     click.echo("")
-    if not summary["complete"]:
-        click.echo("PARTIAL: " + ("interrupted" if summary["interrupted"] else "some runs did not finish"))
-    click.echo(f"plot: {summary['plot']}")
+    if not summary.complete:
+        click.echo("PARTIAL: " + ("interrupted" if summary.interrupted else "some runs did not finish"))
+    click.echo(f"plot: {summary.plot}")
     click.echo(
-        f"took {summary.get('seconds', 0):.0f} s; summary: {out_dir / 'sweep.json'}; view: tensorboard --logdir {out_dir}"
+        f"took {summary.seconds or 0:.0f} s; summary: {out_dir / 'sweep.json'}; view: tensorboard --logdir {out_dir}"
     )
     code = exit_code(summary)
     if code:

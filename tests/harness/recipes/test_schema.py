@@ -229,7 +229,7 @@ def test_a_wheel_contains_the_builtin_recipes(tmp_path: Path) -> None:
 
     pytest.importorskip("setuptools")
     pytest.importorskip("wheel")
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[3]
     src = tmp_path / "src"
     shutil.copytree(root / "stabkit", src / "stabkit", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("pyproject.toml", "README.md"):
