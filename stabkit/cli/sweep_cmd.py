@@ -57,6 +57,7 @@ def sweep_command(
 
     from ..harness.recipes import load_recipe, preflight, run_sweep
     from ..harness.recipes.report import sweep_tables, verdict_lines
+    from ..harness.recipes.sweep import SWEPT
 
     grid = parse_lrs(lrs)
     loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)
@@ -70,7 +71,7 @@ def sweep_command(
     grid = grid or loaded.sweep.lrs
     click.echo(header(loaded, dev, workers, original))
     click.echo(f"  LR grid: {', '.join(f'{lr:g}' for lr in grid)}")
-    names = [f"{v.name} lr={lr:g}" for lr in grid for v in loaded.variants if v.role != "reference"]
+    names = [f"{v.name} lr={lr:g}" for lr in grid for v in loaded.variants if v.role in SWEPT]
     bars = MultiProgress(names, loaded.train.steps)
     try:
         summary = run_sweep(loaded, out_dir, lrs=grid, device=dev, workers=workers, on_progress=bars.update)

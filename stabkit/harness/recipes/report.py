@@ -227,10 +227,40 @@ def verdict_lines(summary: Summary) -> str:
             lines.append(f"    {_check_text(c)}")
         for c in v.get("mechanism", []):
             lines.append(f"    mechanism: {_check_text(c)}")
+        if v.get("rescue"):
+            lines.extend(f"    {line}" for line in rescue_lines(v["rescue"], name, summary.variants))
         error = summary.variants.get(name, {}).get("error")
         if error:
-            lines.append(f"    error: {error}")
+            lines.append(
+                f"    {'stopped' if summary.variants[name].get('status') == 'stopped' else 'error'}: {error}"
+            )
     return "\n".join(lines)
+
+
+def rescue_lines(info: dict[str, Any], name: str, variants: dict[str, dict[str, Any]]) -> list[str]:
+    """What rescue variant `name`'s rescues did (its verdict's ``rescue`` entry and the results)."""
+    result = variants.get(name, {})
+    lines = []
+    for r in result.get("rescues", []):
+        back = r.get("restored_step")
+        where = (
+            f"rolled back to step {back}, {r.get('steps_lost', 0)} steps lost"
+            if back is not None
+            else "no snapshot to roll back to"
+        )
+        change = r.get("output_change")
+        moved = f", output change {change:.2g}" if isinstance(change, int | float) else ""
+        lines.append(f"rescue at step {r.get('step')}: {r.get('fix')} switched on, {where}{moved}")
+    if len(result.get("rescues", [])) > 1:
+        lines.append(f"steps lost in all: {info.get('steps_lost', 0)}")
+    other = info.get("compared_with")
+    if other is not None:
+        theirs = variants.get(other, {}).get("val_loss")
+        lines.append(
+            f"held-out loss {num(result.get('val_loss'))} vs {num(theirs)} with {other} from the start "
+            f"(tolerance {info.get('tolerance', 0):g} nats)"
+        )
+    return lines
 
 
 def _check_text(c: dict[str, Any]) -> str:
@@ -287,6 +317,9 @@ def events_text(summary: Summary, limit: int = 20, progress: Progress | None = N
             )
         if len(groups) > limit:
             lines.append(f"    ... {len(groups) - limit} more in {Path(r.get('logdir', '')) / LOG_NAME}")
+        shown = {id(first) for first, _, _ in groups[:limit]}
+        for e in (e for e in events if e.get("kind") == "rescue" and id(e) not in shown):  # past `limit`
+            lines.append(f"    rescue at step {e.get('step')} ({e.get('where')}): {e.get('message', '')}")
         advice = sorted({e.get("advice", "") for e in events if e.get("advice")})
         for a in advice:
             lines.append(f"    advice: {a}")

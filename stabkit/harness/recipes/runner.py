@@ -28,6 +28,7 @@ from .checks import Check
 from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
+from .results import FINISHED
 from .signals import SigtermStop
 from .summary import Summary
 from .verdict import judge
@@ -69,7 +70,10 @@ def plan(recipe: Recipe, out: Path, device: str, ddp: bool = False) -> list[Job]
 
 def criteria(recipe: Recipe) -> tuple[dict[str, list[Check]], dict[str, list[Check]]]:
     """Per variant: its "fixed" checks (own list or the recipe's default) and its mechanism checks."""
-    fixed = {v.name: list(recipe.fixed if v.fixed is None else v.fixed) for v in recipe.variants}
+    fixed = {
+        v.name: [] if v.role == "rescue" else list(recipe.fixed if v.fixed is None else v.fixed)
+        for v in recipe.variants
+    }  # a rescue is judged against the fixed-from-the-start variant instead (`verdict.judge_rescue`)
     mechanism = {v.name: list(v.mechanism) for v in recipe.variants}
     return fixed, mechanism
 
@@ -79,9 +83,9 @@ def verdicts(recipe: Recipe, results: dict[str, dict[str, Any]]) -> dict[str, di
     fixed, mechanism = criteria(recipe)
     order = [v.name for v in recipe.variants]
     roles = {v.name: v.role for v in recipe.variants}
-    return {
-        n: v.to_dict() for n, v in judge(order, roles, results, recipe.reproduced, fixed, mechanism).items()
-    }
+    tolerance = {v.name: v.tolerance for v in recipe.variants if v.tolerance is not None}
+    judged = judge(order, roles, results, recipe.reproduced, fixed, mechanism, tolerance)
+    return {n: v.to_dict() for n, v in judged.items()}
 
 
 def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[str, Any]:
@@ -182,7 +186,7 @@ def run_recipe(
     if term.hit:
         summary.stopped_by = "SIGTERM"
     summary.complete = not summary.interrupted and all(
-        r.get("status") == "done" for r in summary.variants.values()
+        r.get("status") in FINISHED for r in summary.variants.values()
     )
     summary.verdicts = verdicts(recipe, summary.variants)
     summary.seconds = time.perf_counter() - started

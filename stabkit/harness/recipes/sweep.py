@@ -34,6 +34,8 @@ from .summary import Summary
 from .verdict import judge
 
 SWEEP = "sweep.json"
+SWEPT = ("baseline", "intervention")
+"""Roles a sweep trains: reference runs set their own LR, and a rescue's verdict needs a run, not a grid."""
 PLOT = "lr_sweep.png"
 
 
@@ -110,7 +112,7 @@ def run_sweep(
     `Summary` (kind "sweep"; its variants are `tabulate`'s per-LR tables)."""
     out = Path(out)
     grid = sorted(lrs or recipe.sweep.lrs)
-    variants = [v for v in recipe.variants if v.role != "reference"]
+    variants = [v for v in recipe.variants if v.role in SWEPT]
     checks = history_checks(recipe)
     jobs = [
         Job(
