@@ -120,6 +120,18 @@ def test_the_limit_and_a_rescue_that_fails() -> None:
     assert [r.kind for r in reported] == ["rescue", "drift", "rescue"] and reported[-1].details["failed"]
 
 
+def test_more_events_of_the_rescued_step_are_not_a_failure() -> None:
+    model, opt, x = trained(20)
+    action, reported = rescue_with("z_loss", model, opt, x, window=100)
+    first, second = event(20, "z_loss"), event(20, "z_loss")  # the same drift in two layers
+    action.run(first, before_update=False)
+    assert action.run(second, before_update=False) is False
+    assert second.details["rescue"] == "not attempted: rescued at this step already (z_loss)"
+    assert len(action.done) == 1 and [r.kind for r in reported] == ["rescue"]
+    with pytest.raises(InstabilityError):  # a step later it is the same trouble again: failed
+        action.run(event(21, "z_loss"), before_update=False)
+
+
 def test_nothing_to_switch_on_is_said() -> None:
     model, opt, x = trained(5)
     action, _ = rescue_with("qk_norm", model, opt, x)

@@ -162,6 +162,11 @@ def build(
         inject_output_fault(model, fault, clock)
         if ctx is not None:
             notes.append("under DDP the detectors do not replay a non-finite step: not localized")
+    if ctx is not None and variant.role == "rescue":
+        notes.append(
+            f"{variant.name}: under DDP the gains a rescue adds join the optimizer but not DDP's gradient "
+            "averaging (they are added after the wrap): judge a rescue on one process"
+        )
     autocast_forward(model, config.precision, device)
     net = model if ctx is None else ddp_mod.wrap(model, device)
     return Built(model, net, handle, corpus, train_corpus, config, clock, ctx, notes)
