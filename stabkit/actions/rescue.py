@@ -17,8 +17,10 @@ reported as ``details["output_change"]``, ‖logits after − before‖ / ‖bef
 - ``qk_norm``: the gains start at each module's mean RMS of q and k on the kept inputs, so
   ``γ·q/rms(q) ≈ q`` on average (exact for tokens whose RMS is the mean).
 
-Limits: at most ``max_rescues`` per run; the same advice signature again within ``window`` steps of
-a rescue means it failed: the event and a ``rescue`` failure event are reported and
+Snapshots taken before a rescue are dropped by it (they lack the fix's parameters): a second
+rescue rolls back only as far as the first. Limits: at most ``max_rescues`` per run; other events of the step just rescued (the same drift in
+another layer) are reported, not acted on; the same advice signature again on a later step within
+``window`` steps of a rescue means it failed: the event and a ``rescue`` failure event are reported and
 `stabkit.InstabilityError` stops training. Fixes switched on by a rescue stay on after detach (the
 weights were trained with them). Options: ``DetectConfig(options={"rescue": {...}})``.
 """
@@ -95,6 +97,12 @@ class Rescue(Action):
     # ------------------------------------------------------------------ the decision
     def run(self, event: Event, before_update: bool) -> bool:
         signature = str(event.details.get("advice", event.kind))
+        latest = self.done[-1] if self.done else None
+        if latest is not None and event.step == latest["step"]:
+            # another event of the step just rescued (e.g. the same drift in a second layer): the
+            # rescue has not had a step to work yet, so this is neither a failure nor a new rescue
+            event.details["rescue"] = f"not attempted: rescued at this step already ({latest['fix']})"
+            return False
         previous = next((r for r in reversed(self.done) if r["signature"] == signature), None)
         if previous is not None and event.step - previous["step"] <= self.options.window:
             self._fail(event, previous)
@@ -157,6 +165,12 @@ class Rescue(Action):
             _match_gains(ctx.model, inputs)
         if new and ctx.optimizer is not None:
             ctx.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+        # the snapshots so far are of the model without the fix: a later rescue must not restore
+        # them (they miss its parameters); the next ones cover them and their optimizer state
+        c = ctx.config
+        self.snapshots = SnapshotStore(
+            ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device
+        )
         after = _outputs(ctx.model, inputs)
         lr = self._scale_lr()
         change = _change(before, after)

@@ -21,6 +21,11 @@ LARGE = 16 << 20
 """Reading logs of at least this many bytes (together) shows progress."""
 
 
+def q(value: object) -> str:
+    """A header value, or '?' when the summary does not say."""
+    return "?" if value is None else str(value)
+
+
 def mib(n: int) -> str:
     return f"{n / 2**20:.0f} MiB"
 
@@ -62,22 +67,20 @@ def report_command(logdir: str, max_events: int) -> None:
     logs = run_logs(logdir)  # a monitored run's logdir: its log, and its later runs' (run-2, ...)
     with reading(f"reading {', '.join(map(str, logs))}", logs) as phase:
         summary = load_run(logdir, progress=phase)
-    kind = summary.get("kind", "run")
+    kind = summary.kind
     events = ""
     if kind != "sweep":
-        logs = [p for p in map(event_log, summary.get("variants", {}).values()) if p is not None]
+        logs = [p for p in map(event_log, summary.variants.values()) if p is not None]
         with reading("reading the events", logs) as phase:
             events = events_text(summary, max_events, progress=phase)
-    title = f"{summary.get('recipe', logdir)} ({kind}"
-    if kind == "log" and len(summary.get("variants", {})) > 1:
-        title += f", {len(summary['variants'])} runs, each in its own folder"
-    if summary.get("size"):
-        title += f", {summary['size']}, {summary.get('device', '?')}, seed {summary.get('seed', '?')}, {summary.get('steps', '?')} steps"
+    title = f"{summary.recipe or logdir} ({kind}"
+    if kind == "log" and len(summary.variants) > 1:
+        title += f", {len(summary.variants)} runs, each in its own folder"
+    if summary.size:
+        title += f", {summary.size}, {q(summary.device)}, seed {q(summary.seed)}, {q(summary.steps)} steps"
     click.echo(title + ")")
-    if not summary.get("complete", True):
-        click.echo(
-            "PARTIAL: " + ("interrupted" if summary.get("interrupted") else "not every variant finished")
-        )
+    if not summary.complete:
+        click.echo("PARTIAL: " + ("interrupted" if summary.interrupted else "not every variant finished"))
     click.echo("")
     if kind == "sweep":
         click.echo(sweep_tables(summary))
@@ -88,9 +91,9 @@ def report_command(logdir: str, max_events: int) -> None:
     click.echo(events)
     click.echo("")
     click.echo(results_table(summary))
-    for note in sorted({n for r in summary.get("variants", {}).values() for n in r.get("notes", [])}):
+    for note in sorted({n for r in summary.variants.values() for n in r.get("notes", [])}):
         click.echo(f"note: {note}")
-    if summary.get("verdicts"):
+    if summary.verdicts:
         click.echo("")
         click.echo(verdict_lines(summary))
     click.echo(footer(summary))

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -21,6 +21,7 @@ from .progress import MultiProgress
 
 if TYPE_CHECKING:
     from ..harness.launch import Relaunched
+    from ..harness.recipes.summary import Summary
 
 
 def resolve_device(device: str) -> str:
@@ -236,11 +237,11 @@ def relaunched_exit_code(outcome: Relaunched) -> int:
     return exit_code(outcome.summary)
 
 
-def print_results(summary: dict[str, Any], out_dir: Path) -> None:
+def print_results(summary: Summary, out_dir: Path) -> None:
     """The results table, the verdicts, notes and where the logs are."""
     from ..harness.recipes.report import footer, results_table, verdict_lines
 
-    notes = sorted({n for r in summary["variants"].values() for n in r.get("notes", [])})
+    notes = sorted({n for r in summary.variants.values() for n in r.get("notes", [])})
     click.echo("")
     click.echo(results_table(summary))
     click.echo("")
@@ -250,13 +251,13 @@ def print_results(summary: dict[str, Any], out_dir: Path) -> None:
         click.echo(f"note: {note}")
     click.echo(footer(summary))
     click.echo(
-        f"took {summary.get('seconds', 0):.0f} s; summary: {out_dir / 'summary.json'}; view: tensorboard --logdir {out_dir}"
+        f"took {summary.seconds or 0:.0f} s; summary: {out_dir / 'summary.json'}; view: tensorboard --logdir {out_dir}"
     )
 
 
-def exit_code(summary: dict[str, Any]) -> int:
+def exit_code(summary: Summary) -> int:
     """143 when stopped by SIGTERM, 130 when interrupted (Ctrl-C), 1 when some variant did not
     finish, else 0."""
-    if summary["interrupted"]:
-        return 143 if summary.get("stopped_by") == "SIGTERM" else 130
-    return 0 if summary["complete"] else 1
+    if summary.interrupted:
+        return 143 if summary.stopped_by == "SIGTERM" else 130
+    return 0 if summary.complete else 1

@@ -57,6 +57,7 @@ def sweep_command(
 
     from ..harness.recipes import load_recipe, preflight, run_sweep
     from ..harness.recipes.report import sweep_tables, verdict_lines
+    from ..harness.recipes.sweep import SWEPT
 
     grid = parse_lrs(lrs)
     loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)
@@ -70,7 +71,7 @@ def sweep_command(
     grid = grid or loaded.sweep.lrs
     click.echo(header(loaded, dev, workers, original))
     click.echo(f"  LR grid: {', '.join(f'{lr:g}' for lr in grid)}")
-    names = [f"{v.name} lr={lr:g}" for lr in grid for v in loaded.variants if v.role != "reference"]
+    names = [f"{v.name} lr={lr:g}" for lr in grid for v in loaded.variants if v.role in SWEPT]
     bars = MultiProgress(names, loaded.train.steps)
     try:
         summary = run_sweep(loaded, out_dir, lrs=grid, device=dev, workers=workers, on_progress=bars.update)
@@ -81,11 +82,11 @@ def sweep_command(
     click.echo("")
     click.echo(verdict_lines(summary))
     click.echo("")
-    if not summary["complete"]:
-        click.echo("PARTIAL: " + ("interrupted" if summary["interrupted"] else "some runs did not finish"))
-    click.echo(f"plot: {summary['plot']}")
+    if not summary.complete:
+        click.echo("PARTIAL: " + ("interrupted" if summary.interrupted else "some runs did not finish"))
+    click.echo(f"plot: {summary.plot}")
     click.echo(
-        f"took {summary.get('seconds', 0):.0f} s; summary: {out_dir / 'sweep.json'}; view: tensorboard --logdir {out_dir}"
+        f"took {summary.seconds or 0:.0f} s; summary: {out_dir / 'sweep.json'}; view: tensorboard --logdir {out_dir}"
     )
     code = exit_code(summary)
     if code:

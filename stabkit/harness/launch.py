@@ -21,12 +21,12 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from ..distributed import DistContext
 from .recipes.signals import SigtermStop
+from .recipes.summary import Summary
 
 RELAUNCHED = "STABKIT_RUN_NPROC_PARENT"
 """Set by `stabkit run --nproc N` in the environment of the ranks it starts: rank 0 then exits 0
@@ -89,7 +89,7 @@ class Relaunched:
 
     returncode: int
     """torchrun's exit code."""
-    summary: dict[str, Any] | None
+    summary: Summary | None
     """``summary.json`` as rank 0 left it (None: not written or unreadable)."""
     stopped_by: str | None = None
     """"SIGINT" (Ctrl-C) or "SIGTERM" when this process was asked to stop, else None."""
@@ -130,8 +130,10 @@ def relaunch(nproc: int, args: list[str], out_dir: Path) -> Relaunched:
     finally:
         shutil.rmtree(stop_file.parent, ignore_errors=True)
     try:
-        summary = json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        summary: Summary | None = Summary.from_dict(
+            json.loads((out_dir / "summary.json").read_text(encoding="utf-8"))
+        )
+    except (OSError, ValueError, TypeError):
         summary = None
     stopped_by = ("SIGTERM" if term.hit else "SIGINT") if interrupted else None
     return Relaunched(code, summary, stopped_by)

@@ -120,6 +120,42 @@ def test_the_limit_and_a_rescue_that_fails() -> None:
     assert [r.kind for r in reported] == ["rescue", "drift", "rescue"] and reported[-1].details["failed"]
 
 
+def test_more_events_of_the_rescued_step_are_not_a_failure() -> None:
+    model, opt, x = trained(20)
+    action, reported = rescue_with("z_loss", model, opt, x, window=100)
+    first, second = event(20, "z_loss"), event(20, "z_loss")  # the same drift in two layers
+    action.run(first, before_update=False)
+    assert action.run(second, before_update=False) is False
+    assert second.details["rescue"] == "not attempted: rescued at this step already (z_loss)"
+    assert len(action.done) == 1 and [r.kind for r in reported] == ["rescue"]
+    with pytest.raises(InstabilityError):  # a step later it is the same trouble again: failed
+        action.run(event(21, "z_loss"), before_update=False)
+
+
+def test_a_second_rescue_never_restores_a_snapshot_from_before_the_first() -> None:
+    model, opt, x = trained(20)
+    action, _ = rescue_with("qk_norm", model, opt, x, window=10)
+    action.options = type(action.options)(window=10, fixes=("qk_norm", "attn_softcap"))
+    action.before_update(0)  # snapshot 0: the model without qk_norm
+    first = event(20, "qk_norm")
+    first.details.update(interventions=["qk_norm", "attn_softcap"], since=0)
+    action.run(first, before_update=False)
+    assert first.details["rescue"]["restored_step"] == 0 and "qk_norm" in active_interventions(model)
+    second = event(300, "attn_softcap")  # reaches back to step 0: only a pre-qk_norm snapshot is that old
+    second.details.update(advice="other", since=0)
+    action.run(second, before_update=False)  # used to fail: the snapshot lacks the qk_norm gains
+    assert (
+        second.details["rescue"]["restored_step"] is None
+        and second.details["rescue"]["fix"] == "attn_softcap"
+    )
+    action.before_update(400)  # snapshots after the rescues cover the new gains
+    third = event(420, "z_loss")
+    third.details.update(advice="third", since=400)
+    action.options = type(action.options)(window=10, max_rescues=3)
+    action.run(third, before_update=False)
+    assert third.details["rescue"]["restored_step"] == 400
+
+
 def test_nothing_to_switch_on_is_said() -> None:
     model, opt, x = trained(5)
     action, _ = rescue_with("qk_norm", model, opt, x)

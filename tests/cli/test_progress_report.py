@@ -74,7 +74,7 @@ def test_single_log_is_read_once_with_progress(tmp_path: Path, monkeypatch: pyte
     assert len(reads) == 1, "the events of a single log come with its metrics"
     assert "run: 3 event(s)" in text
     assert rec.items == ["summarising 200 steps"]
-    assert summary["variants"]["run"]["steps_done"] == 200
+    assert summary.variants["run"]["steps_done"] == 200
     assert report.single_log(tmp_path / "run") == tmp_path / "run" / LOG_NAME
 
 

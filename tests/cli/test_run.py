@@ -85,7 +85,7 @@ def test_run_prints_table_verdicts_and_report_reads_it_back(tmp_path: Path) -> N
     out = tmp_path / "alg"
     code, text = invoke("run", "attention-logit-growth", "--steps", "20", "--jobs", "1", "--out", str(out))
     assert code == 0, text
-    for name in ("baseline", "qk_norm", "attn_softcap", "reference"):
+    for name in ("baseline", "qk_norm", "attn_softcap", "rescue", "reference"):
         assert f"\n{name} " in text and f"\n{name}: " in text  # a table row and a verdict
     assert "shortened run (20 of 300 steps)" in text and "max attn logit" in text
     summary = json.loads((out / "summary.json").read_text())

@@ -168,7 +168,7 @@ def test_only_rank_0_writes_the_summary(tmp_path: Path, monkeypatch: pytest.Monk
 
     monkeypatch.setattr("stabkit.harness.recipes.runner.execute", fake_execute)
     summary = run_recipe(recipe, tmp_path, workers=2, dist=DistContext(True, rank, 2))
-    assert summary["complete"] is True and summary["processes"] == 2
+    assert summary.complete is True and summary.processes == 2
     assert seen == [(True, 1)] * len(recipe.variants)  # data-parallel jobs, one at a time
     assert (tmp_path / "summary.json").exists() == (rank == 0)
 

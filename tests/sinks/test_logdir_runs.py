@@ -86,7 +86,7 @@ def test_report_lists_each_run_of_a_logdir_separately(tmp_path: Path) -> None:
     from stabkit.harness.recipes.report import load_run
 
     summary = load_run(tmp_path)
-    runs = summary["variants"]
+    runs = summary.variants
     assert list(runs) == [tmp_path.name, "run-2"]
     assert [r["steps_done"] for r in runs.values()] == [4, 6]
     result = CliRunner().invoke(main, ["report", str(tmp_path)], catch_exceptions=False)

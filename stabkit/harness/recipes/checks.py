@@ -33,6 +33,9 @@ RUN_QUANTITIES: dict[str, str] = {
     "fault_localized": "1 when such an event names the injected module, else 0",
     "fault_loss_jump": "max training loss on the fault's steps minus the median of the 20 steps before",
     "depth_grad_ratio": "last-layer grad norm at init, deepest / reference depth (see [depth])",
+    "rescue_count": "rescues stabkit carried out (action 'rescue'; a rescue variant's)",
+    "rescue_step": "step of the first rescue (missing when none)",
+    "steps_lost": "training steps the rescues rolled back (their sum)",
 }
 """Per-run quantities a check can name (`events/<kind>` counts events of one kind too)."""
 

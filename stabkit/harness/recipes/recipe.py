@@ -16,6 +16,7 @@ from ..training import TrainConfig
 from .checks import Check, parse_checks
 from .errors import RecipeError
 from .fields import boolean, choice, string, table
+from .rescue import RESCUE_TOLERANCE, with_rescue
 from .schema import (
     DepthSpec,
     FaultSpec,
@@ -30,7 +31,7 @@ from .schema import (
     train_defaults,
 )
 
-ROLES = ("baseline", "intervention", "reference")
+ROLES = ("baseline", "intervention", "reference", "rescue")
 TOP_KEYS = (
     "name", "description", "references", "size", "model", "data", "train", "monitor", "detect",
     "fault", "depth", "sweep", "variants", "criteria", "sizes",
@@ -49,16 +50,19 @@ SIZE_KEYS = (
     "criteria",
 )
 VARIANT_KEYS = ("role", "description", "interventions", "train", "fault", "detect", "fixed", "mechanism")
+RESCUE_KEYS = ("role", "description", "detect", "mechanism", "tolerance")
+"""Keys of a rescue variant: it trains the baseline's settings (`stabkit.harness.recipes.rescue`)."""
 CRITERIA_KEYS = ("reproduced", "fixed")
 
 
 @dataclass
 class VariantSpec:
-    """One arm of the comparison: the baseline, an intervention, or a reference run."""
+    """One arm of the comparison: the baseline, an intervention, a reference run, or a rescue."""
 
     name: str
     role: str
-    """baseline (shows the instability), intervention (should fix it), reference (e.g. a safe LR)."""
+    """baseline (shows the instability), intervention (should fix it), reference (e.g. a safe LR),
+    rescue (the baseline with stabkit allowed to act: action 'rescue', `stabkit.harness.recipes.rescue`)."""
     train: TrainConfig
     """The recipe's training settings with this variant's overrides."""
     description: str = ""
@@ -72,6 +76,9 @@ class VariantSpec:
     """This intervention's own "fixed" checks (None: the recipe's [criteria] fixed)."""
     mechanism: list[Check] = field(default_factory=list)
     """Checks reported whatever the verdict (e.g. "z-loss lowers |log Z|")."""
+    tolerance: float | None = None
+    """A rescue variant's: "rescued" when its final held-out loss is at most this many nats above
+    the fixed-from-the-start variant's (None for other roles)."""
 
 
 @dataclass
@@ -135,11 +142,60 @@ def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
     return out
 
 
+def default_role(name: str) -> str:
+    """The role of a variant whose table does not say: baseline and rescue by name, else intervention."""
+    return name if name in ("baseline", "rescue") else "intervention"
+
+
+def variant_role(name: str, raw: Any) -> str:
+    """The role a [variants.<name>] table asks for."""
+    role = raw.get("role", default_role(name)) if isinstance(raw, dict) else default_role(name)
+    return choice(role, f"variants.{name}.role", ROLES)
+
+
+def parse_rescue(name: str, raw: Any, baseline: VariantSpec) -> VariantSpec:
+    """A rescue variant: the baseline's train settings, interventions and fault, the baseline's
+    detectors with its own ``detect`` table over them, and the action 'rescue' added
+    (`stabkit.harness.recipes.rescue.with_rescue`)."""
+    where = f"variants.{name}"
+    if isinstance(raw, dict):
+        for key in ("interventions", "train", "fault", "fixed"):
+            if key in raw:
+                raise RecipeError(
+                    f"{where}.{key}",
+                    "a rescue variant trains the baseline's settings (the rescue switches the fix on, and "
+                    f"its verdict compares with the variant that had the fix from the start); allowed: "
+                    f"{', '.join(RESCUE_KEYS)}",
+                )
+    t = table(raw, where, RESCUE_KEYS)
+    detect = (
+        parse_detect(t["detect"], f"{where}.detect", base=baseline.detect)
+        if "detect" in t
+        else baseline.detect
+    )
+    tolerance = t.get("tolerance", RESCUE_TOLERANCE)
+    if isinstance(tolerance, bool) or not isinstance(tolerance, int | float) or not tolerance >= 0:
+        raise RecipeError(
+            f"{where}.tolerance", f"must be a number >= 0 (nats of held-out loss), got {tolerance!r}"
+        )
+    return VariantSpec(
+        name=name,
+        role="rescue",
+        train=baseline.train,
+        description=string(t.get("description", ""), f"{where}.description"),
+        interventions={k: dict(v) for k, v in baseline.interventions.items()},
+        fault=baseline.fault,
+        detect=with_rescue(detect),
+        mechanism=parse_checks(t.get("mechanism", []), f"{where}.mechanism"),
+        tolerance=float(tolerance),
+    )
+
+
 def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig) -> VariantSpec:
-    """One [variants.<name>] table: its train and detect tables over the recipe's."""
+    """One [variants.<name>] table (not a rescue): its train and detect tables over the recipe's."""
     where = f"variants.{name}"
     t = table(raw, where, VARIANT_KEYS)
-    role = choice(t.get("role", "baseline" if name == "baseline" else "intervention"), f"{where}.role", ROLES)
+    role = variant_role(name, t)
     fixed = parse_checks(t["fixed"], f"{where}.fixed") if "fixed" in t else None
     return VariantSpec(
         name=name,
@@ -165,12 +221,20 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
         raise RecipeError(
             "variants", "at least one [variants.<name>] table is needed (one with role baseline)"
         )
-    variants = [parse_variant(n, v, train, detect) for n, v in raw_variants.items()]
-    baselines = [v.name for v in variants if v.role == "baseline"]
+    parsed = {
+        n: parse_variant(n, v, train, detect)
+        for n, v in raw_variants.items()
+        if variant_role(n, v) != "rescue"
+    }
+    baselines = [v.name for v in parsed.values() if v.role == "baseline"]
     if len(baselines) != 1:
         raise RecipeError(
             "variants", f"exactly one variant must have role baseline, found {baselines or 'none'}"
         )
+    variants = [
+        parsed[n] if n in parsed else parse_rescue(n, v, parsed[baselines[0]])
+        for n, v in raw_variants.items()
+    ]
     criteria = table(t.get("criteria"), "criteria", CRITERIA_KEYS)
     data = table(t.get("data"), "data", ("path",))
     sizes = {

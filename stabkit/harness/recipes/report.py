@@ -16,6 +16,7 @@ from ...sinks import LOG_NAME, read_jsonl
 from ...sinks.rundir import run_folders
 from .measures import best_smoothed, monitored, tail_mean
 from .runner import SUMMARY
+from .summary import Summary
 
 
 def _float(value: Any) -> Any:
@@ -82,23 +83,23 @@ def run_logs(logdir: str | Path) -> list[Path]:
     return [f / LOG_NAME for f in run_folders(root) if (f / LOG_NAME).is_file()]
 
 
-def load_run(logdir: str | Path, progress: Progress | None = None) -> dict[str, Any]:
-    """A run's summary: ``summary.json`` (a recipe run or sweep), or one built from the monitored
+def load_run(logdir: str | Path, progress: Progress | None = None) -> Summary:
+    """A run's `Summary`: ``summary.json`` (a recipe run or sweep), or one (kind "log") built from the monitored
     runs' ``stabkit.jsonl`` logs in LOGDIR (`run_logs`: one row per run, never mixed; bytes read
     reported to `progress`, then ``progress.begin("summarising ...")``). FileNotFoundError when LOGDIR
     holds neither."""
     root = Path(logdir)
     if (root / SUMMARY).is_file():
-        return _float(json.loads((root / SUMMARY).read_text(encoding="utf-8")))
+        return Summary.from_dict(_float(json.loads((root / SUMMARY).read_text(encoding="utf-8"))))
     if (root / "sweep.json").is_file():
-        return _float(json.loads((root / "sweep.json").read_text(encoding="utf-8")))
+        return Summary.from_dict(_float(json.loads((root / "sweep.json").read_text(encoding="utf-8"))))
     logs = run_logs(root)
     if logs:
         variants = {}
         for log in logs:
             name = root.name if log.parent == root else log.parent.name
             variants[name] = _single(log.parent, name, progress)
-        return {"kind": "log", "recipe": root.name, "complete": True, "variants": variants, "verdicts": {}}
+        return Summary(kind="log", recipe=root.name, complete=True, variants=variants)
     raise FileNotFoundError(
         f"{str(root)!r} has no {SUMMARY}, sweep.json or {LOG_NAME}; pass a stabkit logdir"
     )
@@ -182,7 +183,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     return "\n".join([line(headers), line(["-" * w for w in widths]), *(line(r) for r in rows)])
 
 
-def results_table(summary: dict[str, Any]) -> str:
+def results_table(summary: Summary) -> str:
     """Per variant: final / best / held-out loss, max attention logit (before any cap), max log Z,
     mean |log Z|, first event, diverged, verdict."""
     headers = [
@@ -198,7 +199,7 @@ def results_table(summary: dict[str, Any]) -> str:
         "verdict",
     ]
     rows = []
-    for name, r in summary.get("variants", {}).items():
+    for name, r in summary.variants.items():
         first = "-"
         if isinstance(r.get("first_event_step"), int | float) and math.isfinite(r["first_event_step"]):
             first = f"{r['first_event_kind']}@{int(r['first_event_step'])}"
@@ -206,7 +207,7 @@ def results_table(summary: dict[str, Any]) -> str:
         diverged = (
             "-" if div is None or (isinstance(div, float) and math.isnan(div)) else ("yes" if div else "no")
         )
-        verdict = summary.get("verdicts", {}).get(name, {}).get("verdict", r.get("status", ""))
+        verdict = summary.verdicts.get(name, {}).get("verdict", r.get("status", ""))
         logit = big(r.get("max_attn_logit"))
         if isinstance(r.get("max_attn_logit_capped"), float) and math.isfinite(r["max_attn_logit_capped"]):
             logit += f" (capped {big(r['max_attn_logit_capped'])})"
@@ -217,19 +218,49 @@ def results_table(summary: dict[str, Any]) -> str:
     return table(headers, rows)
 
 
-def verdict_lines(summary: dict[str, Any]) -> str:
+def verdict_lines(summary: Summary) -> str:
     """Each variant's verdict with the checks behind it."""
     lines = []
-    for name, v in summary.get("verdicts", {}).items():
+    for name, v in summary.verdicts.items():
         lines.append(f"{name}: {v['verdict']}")
         for c in v.get("checks", []):
             lines.append(f"    {_check_text(c)}")
         for c in v.get("mechanism", []):
             lines.append(f"    mechanism: {_check_text(c)}")
-        error = summary["variants"].get(name, {}).get("error")
+        if v.get("rescue"):
+            lines.extend(f"    {line}" for line in rescue_lines(v["rescue"], name, summary.variants))
+        error = summary.variants.get(name, {}).get("error")
         if error:
-            lines.append(f"    error: {error}")
+            lines.append(
+                f"    {'stopped' if summary.variants[name].get('status') == 'stopped' else 'error'}: {error}"
+            )
     return "\n".join(lines)
+
+
+def rescue_lines(info: dict[str, Any], name: str, variants: dict[str, dict[str, Any]]) -> list[str]:
+    """What rescue variant `name`'s rescues did (its verdict's ``rescue`` entry and the results)."""
+    result = variants.get(name, {})
+    lines = []
+    for r in result.get("rescues", []):
+        back = r.get("restored_step")
+        where = (
+            f"rolled back to step {back}, {r.get('steps_lost', 0)} steps lost"
+            if back is not None
+            else "no snapshot to roll back to"
+        )
+        change = r.get("output_change")
+        moved = f", output change {change:.2g}" if isinstance(change, int | float) else ""
+        lines.append(f"rescue at step {r.get('step')}: {r.get('fix')} switched on, {where}{moved}")
+    if len(result.get("rescues", [])) > 1:
+        lines.append(f"steps lost in all: {info.get('steps_lost', 0)}")
+    other = info.get("compared_with")
+    if other is not None:
+        theirs = variants.get(other, {}).get("val_loss")
+        lines.append(
+            f"held-out loss {num(result.get('val_loss'))} vs {num(theirs)} with {other} from the start "
+            f"(tolerance {info.get('tolerance', 0):g} nats)"
+        )
+    return lines
 
 
 def _check_text(c: dict[str, Any]) -> str:
@@ -238,14 +269,12 @@ def _check_text(c: dict[str, Any]) -> str:
     return f"{c['check']}: {c['measured']:.4g} -> {'pass' if c['passed'] else 'FAIL'}"
 
 
-def footer(summary: dict[str, Any]) -> str:
+def footer(summary: Summary) -> str:
     """Status line: complete or partial, bigram level, where the logs are."""
-    first: dict[str, Any] = next(iter(summary.get("variants", {}).values()), {})
+    first: dict[str, Any] = next(iter(summary.variants.values()), {})
     parts = []
-    if not summary.get("complete", True):
-        parts.append(
-            "PARTIAL: " + ("interrupted" if summary.get("interrupted") else "not every variant finished")
-        )
+    if not summary.complete:
+        parts.append("PARTIAL: " + ("interrupted" if summary.interrupted else "not every variant finished"))
     if "bigram_loss" in first:
         parts.append(f"diverged = non-finite or val loss >= bigram level {first['bigram_loss']:.3f}")
     parts.append("max attn logit is before any cap")
@@ -267,11 +296,11 @@ def group_events(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dic
     return groups
 
 
-def events_text(summary: dict[str, Any], limit: int = 20, progress: Progress | None = None) -> str:
+def events_text(summary: Summary, limit: int = 20, progress: Progress | None = None) -> str:
     """Every variant's events (step, kind, where, message) and the distinct advice they carry
     (bytes of the logs read reported to `progress`, see `event_log`)."""
     lines = []
-    for name, r in summary.get("variants", {}).items():
+    for name, r in summary.variants.items():
         if progress is not None:
             progress.begin(name)
         events = events_of(r, progress)
@@ -288,21 +317,24 @@ def events_text(summary: dict[str, Any], limit: int = 20, progress: Progress | N
             )
         if len(groups) > limit:
             lines.append(f"    ... {len(groups) - limit} more in {Path(r.get('logdir', '')) / LOG_NAME}")
+        shown = {id(first) for first, _, _ in groups[:limit]}
+        for e in (e for e in events if e.get("kind") == "rescue" and id(e) not in shown):  # past `limit`
+            lines.append(f"    rescue at step {e.get('step')} ({e.get('where')}): {e.get('message', '')}")
         advice = sorted({e.get("advice", "") for e in events if e.get("advice")})
         for a in advice:
             lines.append(f"    advice: {a}")
     return "\n".join(lines)
 
 
-def sweep_tables(summary: dict[str, Any]) -> str:
+def sweep_tables(summary: Summary) -> str:
     """The sweep's held-out loss and max attention logit per LR, then the LR-sensitivity table."""
-    lrs = [f"{lr:g}" for lr in summary.get("lrs", [])]
+    lrs = [f"{lr:g}" for lr in summary.lrs or []]
     loss_rows, logit_rows, sens_rows = [], [], []
-    for name, v in summary.get("variants", {}).items():
+    for name, v in summary.variants.items():
         runs = v.get("runs", {})
         loss_rows.append([name, *(num(runs.get(lr, {}).get("val_loss")) for lr in lrs)])
         logit_rows.append([name, *(big(runs.get(lr, {}).get("max_attn_logit")) for lr in lrs)])
-        verdict = summary.get("verdicts", {}).get(name, {}).get("verdict", v.get("status", ""))
+        verdict = summary.verdicts.get(name, {}).get("verdict", v.get("status", ""))
         sens_rows.append(
             [
                 name,
@@ -313,8 +345,8 @@ def sweep_tables(summary: dict[str, Any]) -> str:
                 verdict,
             ]
         )
-    lo, hi = summary.get("high", [math.nan, math.nan])
-    first: dict[str, Any] = next(iter(summary.get("variants", {}).values()), {})
+    lo, hi = summary.high or [math.nan, math.nan]
+    first: dict[str, Any] = next(iter(summary.variants.values()), {})
     parts = [
         "final held-out loss by peak LR",
         table(["variant", *lrs], loss_rows),

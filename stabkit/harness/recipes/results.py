@@ -13,7 +13,12 @@ from typing import Any
 from ...monitor import Monitor
 from .job import Job
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
+from .rescue import rescue_quantities
 from .schema import FaultSpec
+
+FINISHED = ("done", "stopped")
+"""Statuses of a run that ended on its own terms and is measured: it trained every step, or stabkit
+stopped it on purpose (`stabkit.InstabilityError`: the action 'raise', a failed rescue)."""
 
 
 def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor | None) -> dict[str, Any]:
@@ -28,7 +33,7 @@ def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor |
     out["nonfinite_steps"] = sum(1 for v in losses if not math.isfinite(v))
     out["bigram_loss"] = bigram_loss(recipe.data)
     val = result.get("val_loss", math.nan)
-    done = result["status"] == "done"
+    done = result["status"] in FINISHED
     out["diverged"] = float(not math.isfinite(val) or val >= out["bigram_loss"]) if done else math.nan
     out["events"] = len(events)
     kinds: dict[str, int] = {}
@@ -36,6 +41,8 @@ def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor |
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
     out.update({f"events/{k}": n for k, n in kinds.items()})
     out["event_list"] = events[:50]
+    if job.recipe.variant(job.variant).role == "rescue" or "events/rescue" in out:
+        out.update(rescue_quantities(events))
     out["first_event_step"] = events[0]["step"] if events else math.nan
     out["first_event_kind"] = events[0]["kind"] if events else ""
     fault = recipe.fault

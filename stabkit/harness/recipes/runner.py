@@ -28,7 +28,9 @@ from .checks import Check
 from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
+from .results import FINISHED
 from .signals import SigtermStop
+from .summary import Summary
 from .verdict import judge
 
 SUMMARY = "summary.json"
@@ -68,7 +70,10 @@ def plan(recipe: Recipe, out: Path, device: str, ddp: bool = False) -> list[Job]
 
 def criteria(recipe: Recipe) -> tuple[dict[str, list[Check]], dict[str, list[Check]]]:
     """Per variant: its "fixed" checks (own list or the recipe's default) and its mechanism checks."""
-    fixed = {v.name: list(recipe.fixed if v.fixed is None else v.fixed) for v in recipe.variants}
+    fixed = {
+        v.name: [] if v.role == "rescue" else list(recipe.fixed if v.fixed is None else v.fixed)
+        for v in recipe.variants
+    }  # a rescue is judged against the fixed-from-the-start variant instead (`verdict.judge_rescue`)
     mechanism = {v.name: list(v.mechanism) for v in recipe.variants}
     return fixed, mechanism
 
@@ -78,13 +83,13 @@ def verdicts(recipe: Recipe, results: dict[str, dict[str, Any]]) -> dict[str, di
     fixed, mechanism = criteria(recipe)
     order = [v.name for v in recipe.variants]
     roles = {v.name: v.role for v in recipe.variants}
-    return {
-        n: v.to_dict() for n, v in judge(order, roles, results, recipe.reproduced, fixed, mechanism).items()
-    }
+    tolerance = {v.name: v.tolerance for v in recipe.variants if v.tolerance is not None}
+    judged = judge(order, roles, results, recipe.reproduced, fixed, mechanism, tolerance)
+    return {n: v.to_dict() for n, v in judged.items()}
 
 
 def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[str, Any]:
-    """The run's settings, for the summary header."""
+    """The run's settings, for the summary header (`Summary`'s header fields)."""
     return {
         "processes": dist.world_size,
         "recipe": recipe.name,
@@ -133,12 +138,13 @@ def run_recipe(
     device: str = "cpu",
     workers: int = 1,
     on_progress: Progress | None = None,
-    on_update: Callable[[dict[str, Any]], None] | None = None,
+    on_update: Callable[[Summary], None] | None = None,
     dist: DistContext = SINGLE,
     should_stop: Callable[[], bool] | None = None,
-) -> dict[str, Any]:
+) -> Summary:
     """Train the baseline and every variant (same seed, same data), judge them, and return the
-    summary (also written to ``<out>/summary.json`` after each variant and at the end).
+    `Summary` (also written to ``<out>/summary.json``, `Summary.to_dict`, after each variant and at
+    the end).
 
     With an active `dist` (this process is one rank of a torchrun job, process group initialised)
     every variant trains with DDP over all ranks, `workers` is ignored, and only rank 0 writes.
@@ -155,23 +161,19 @@ def run_recipe(
 
     def save() -> None:
         if dist.writes:
-            write_json(out / SUMMARY, summary)
+            write_json(out / SUMMARY, summary.to_dict())
 
-    summary: dict[str, Any] = {
-        "kind": "run",
+    summary = Summary(
+        kind="run",
         **describe(recipe, device, dist),
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "complete": False,
-        "interrupted": False,
-        "variants": {},
-        "verdicts": {},
-    }
+        started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
     save()
 
     def on_result(job: Job, result: dict[str, Any]) -> None:
-        summary["variants"][job.variant] = result
-        summary["verdicts"] = verdicts(recipe, summary["variants"])
-        summary["seconds"] = time.perf_counter() - started
+        summary.variants[job.variant] = result
+        summary.verdicts = verdicts(recipe, summary.variants)
+        summary.seconds = time.perf_counter() - started
         save()
         if on_update is not None:
             on_update(summary)
@@ -179,15 +181,15 @@ def run_recipe(
     with SigtermStop() as term:
         interrupted = execute(jobs, workers, on_progress, on_result, either(should_stop, term))
     order = [v.name for v in recipe.variants]
-    summary["variants"] = {n: summary["variants"][n] for n in order if n in summary["variants"]}
-    summary["interrupted"] = interrupted or term.hit
+    summary.variants = {n: summary.variants[n] for n in order if n in summary.variants}
+    summary.interrupted = interrupted or term.hit
     if term.hit:
-        summary["stopped_by"] = "SIGTERM"
-    summary["complete"] = not summary["interrupted"] and all(
-        r.get("status") == "done" for r in summary["variants"].values()
+        summary.stopped_by = "SIGTERM"
+    summary.complete = not summary.interrupted and all(
+        r.get("status") in FINISHED for r in summary.variants.values()
     )
-    summary["verdicts"] = verdicts(recipe, summary["variants"])
-    summary["seconds"] = time.perf_counter() - started
+    summary.verdicts = verdicts(recipe, summary.variants)
+    summary.seconds = time.perf_counter() - started
     save()
     return summary
 

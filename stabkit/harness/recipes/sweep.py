@@ -30,9 +30,12 @@ from .pool import execute
 from .recipe import Recipe
 from .runner import clear_previous_logs, describe, history_checks, write_json
 from .signals import SigtermStop
+from .summary import Summary
 from .verdict import judge
 
 SWEEP = "sweep.json"
+SWEPT = ("baseline", "intervention")
+"""Roles a sweep trains: reference runs set their own LR, and a rescue's verdict needs a run, not a grid."""
 PLOT = "lr_sweep.png"
 
 
@@ -102,13 +105,14 @@ def run_sweep(
     device: str = "cpu",
     workers: int = 1,
     on_progress: Progress | None = None,
-    on_update: Callable[[dict[str, Any]], None] | None = None,
-) -> dict[str, Any]:
+    on_update: Callable[[Summary], None] | None = None,
+) -> Summary:
     """Run every non-reference variant at every LR of the grid; write ``<out>/sweep.json`` (after each
-    run, ``"complete": false`` until the end), TensorBoard hparams and ``lr_sweep.png``."""
+    run, ``"complete": false`` until the end), TensorBoard hparams and ``lr_sweep.png``. Returns the
+    `Summary` (kind "sweep"; its variants are `tabulate`'s per-LR tables)."""
     out = Path(out)
     grid = sorted(lrs or recipe.sweep.lrs)
-    variants = [v for v in recipe.variants if v.role != "reference"]
+    variants = [v for v in recipe.variants if v.role in SWEPT]
     checks = history_checks(recipe)
     jobs = [
         Job(
@@ -126,25 +130,21 @@ def run_sweep(
     clear_previous_logs(jobs)
     runs: dict[str, dict[float, dict[str, Any]]] = {v.name: {} for v in variants}
     started = time.perf_counter()
-    summary: dict[str, Any] = {
-        "kind": "sweep",
+    summary = Summary(
+        kind="sweep",
         **describe(recipe, device),
-        "lrs": grid,
-        "high": list(recipe.sweep.high),
-        "convention": "l* = best held-out loss on the grid over all variants; l0 = held-out loss at init; "
+        lrs=grid,
+        high=list(recipe.sweep.high),
+        convention="l* = best held-out loss on the grid over all variants; l0 = held-out loss at init; "
         "non-finite losses count as l0",
-        "started": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "complete": False,
-        "interrupted": False,
-        "variants": {},
-        "verdicts": {},
-    }
+        started=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+    )
 
     def refresh() -> None:
-        summary["variants"] = tabulate(recipe, grid, runs)
-        summary["verdicts"] = sweep_verdicts(recipe, summary["variants"])
-        summary["seconds"] = time.perf_counter() - started
-        write_json(out / SWEEP, summary)
+        summary.variants = tabulate(recipe, grid, runs)
+        summary.verdicts = sweep_verdicts(recipe, summary.variants)
+        summary.seconds = time.perf_counter() - started
+        write_json(out / SWEEP, summary.to_dict())
 
     def on_result(job: Job, result: dict[str, Any]) -> None:
         assert job.lr is not None
@@ -157,15 +157,15 @@ def run_sweep(
 
     refresh()
     with SigtermStop() as term:  # SIGTERM: every run stops at its next step, as on Ctrl-C
-        summary["interrupted"] = execute(jobs, workers, on_progress, on_result, term) or term.hit
+        summary.interrupted = execute(jobs, workers, on_progress, on_result, term) or term.hit
     if term.hit:
-        summary["stopped_by"] = "SIGTERM"
-    summary["complete"] = not summary["interrupted"] and all(
+        summary.stopped_by = "SIGTERM"
+    summary.complete = not summary.interrupted and all(
         v["status"] == "done" for v in tabulate(recipe, grid, runs).values()
     )
     refresh()
-    summary["plot"] = plot(summary, out / PLOT)
-    write_json(out / SWEEP, summary)
+    summary.plot = plot(summary, out / PLOT)
+    write_json(out / SWEEP, summary.to_dict())
     return summary
 
 
@@ -195,7 +195,7 @@ def write_hparams(logdir: Path, variant: str, lr: float, result: dict[str, Any])
             writer.add_scalar(key, value)
 
 
-def plot(summary: dict[str, Any], path: Path) -> str:
+def plot(summary: Summary, path: Path) -> str:
     """Final held-out loss and max attention logit vs peak LR, one line per variant. Returns the
     path, or a note when matplotlib (the `plot` extra) is missing."""
     try:
@@ -206,7 +206,7 @@ def plot(summary: dict[str, Any], path: Path) -> str:
     except ImportError:
         return "skipped: matplotlib is not installed (pip install 'stabkit[plot]')"
     fig, (ax_loss, ax_logit) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, v in summary["variants"].items():
+    for name, v in summary.variants.items():
         pts = [
             (float(lr), r["val_loss"], r.get("max_attn_logit"))
             for lr, r in v["runs"].items()
@@ -218,12 +218,10 @@ def plot(summary: dict[str, Any], path: Path) -> str:
         ax_logit.plot(
             [p[0] for p in pts], [p[2] if p[2] is not None else math.nan for p in pts], marker="o", label=name
         )
-    first: dict[str, Any] = next(iter(summary["variants"].values()), {})
+    first: dict[str, Any] = next(iter(summary.variants.values()), {})
     if math.isfinite(first.get("best_loss_all", math.nan)):
         ax_loss.axhline(first["best_loss_all"], color="gray", linestyle=":", label="best on grid (ℓ*)")
-    ax_loss.set(
-        xscale="log", xlabel="peak learning rate", ylabel="final held-out loss", title=summary["recipe"]
-    )
+    ax_loss.set(xscale="log", xlabel="peak learning rate", ylabel="final held-out loss", title=summary.recipe)
     ax_logit.set(
         xscale="log", yscale="log", xlabel="peak learning rate", ylabel="max attention logit (before any cap)"
     )

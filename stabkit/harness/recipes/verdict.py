@@ -4,6 +4,13 @@ Evaluated in the parent after each finished variant (so a partial summary has pa
 from the variants' results. Honest by construction: an intervention is only called *fixed* when
 the baseline *reproduced* the instability; otherwise it is *not reproduced at this size*, and its
 checks are still shown. Checks that cannot be measured make the verdict *undetermined*.
+
+A rescue variant (role ``rescue``: the baseline with stabkit's action 'rescue') is judged against the
+variant that had the fix from the start — the intervention whose interventions are exactly the
+fixes its rescues switched on (read from its ``rescue`` events): *rescued* when its final held-out
+loss is within the variant's tolerance of that one, else *not rescued*; *no rescue happened* when
+stabkit never acted; *rescue failed at step N* when the same trouble came back and stabkit stopped
+the run; *not judged* when the recipe has no such variant (or it did not finish).
 """
 
 from __future__ import annotations
@@ -14,10 +21,12 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from .checks import Check
+from .rescue import RESCUE_TOLERANCE
 
 REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
 FIXED, NOT_FIXED, NOT_AT_SIZE = "fixed", "not fixed", "not reproduced at this size"
 UNDETERMINED, REFERENCE = "undetermined", "reference"
+RESCUED, NOT_RESCUED, NO_RESCUE = "rescued", "not rescued", "no rescue happened"
 
 
 @dataclass
@@ -48,9 +57,15 @@ class Verdict:
     verdict: str
     checks: list[CheckResult] = field(default_factory=list)
     mechanism: list[CheckResult] = field(default_factory=list)
+    rescue: dict[str, Any] | None = None
+    """A rescue variant's: fixes, first step, steps lost, restored steps, the variant compared with,
+    the tolerance, and the step of a failure (None for other roles)."""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        out = asdict(self)
+        if self.rescue is None:
+            del out["rescue"]
+        return out
 
 
 def quantity(result: Mapping[str, Any], check: Check) -> float:
@@ -106,11 +121,14 @@ def judge(
     reproduced: Sequence[Check],
     fixed: Mapping[str, Sequence[Check]],
     mechanism: Mapping[str, Sequence[Check]],
+    tolerance: Mapping[str, float] | None = None,
 ) -> dict[str, Verdict]:
     """Verdicts for every variant in `order` that has a result.
 
     `fixed[name]` are the checks of intervention `name`; `mechanism[name]` are reported whatever
-    the verdict. Variants not finished (status other than done) get their status as verdict.
+    the verdict; `tolerance[name]` is rescue variant `name`'s (`judge_rescue`). Variants not finished
+    (status other than done) get their status as verdict ("stopped at step N" when stabkit stopped
+    them), a rescue variant whose rescue failed "rescue failed at step N".
     """
     done = {n: r for n, r in results.items() if r.get("status") == "done"}
     baseline = next((n for n in order if roles[n] == "baseline"), None)
@@ -127,8 +145,17 @@ def judge(
             continue
         role = roles[name]
         status = results[name].get("status", "")
+        if role == "rescue" and status in ("done", "stopped"):
+            mech = [measure(c, name, done, roles) for c in mechanism.get(name, ())]
+            tol = (tolerance or {}).get(name, RESCUE_TOLERANCE)
+            out[name] = judge_rescue(name, order, roles, results, tol, mech)
+            continue
         if name not in done:
-            out[name] = Verdict(name, role, status or "not run")
+            stopped = results[name].get("stopped") or {}
+            verdict = (
+                f"stopped at step {stopped['step']}" if status == "stopped" and "step" in stopped else status
+            )
+            out[name] = Verdict(name, role, verdict or "not run")
             continue
         mech = [measure(c, name, done, roles) for c in mechanism.get(name, ())]
         if role == "baseline":
@@ -151,3 +178,67 @@ def judge(
                     verdict = f"{UNDETERMINED} (baseline undetermined)"
             out[name] = Verdict(name, role, verdict, checks, mech)
     return out
+
+
+def judge_rescue(
+    name: str,
+    order: Sequence[str],
+    roles: Mapping[str, str],
+    results: Mapping[str, Mapping[str, Any]],
+    tolerance: float,
+    mechanism: list[CheckResult],
+) -> Verdict:
+    """The verdict on rescue variant `name` (status done or stopped), from its rescue quantities
+    (`stabkit.harness.recipes.rescue.rescue_quantities`) and the fixed-from-the-start variant."""
+    r = results[name]
+    rescues = list(r.get("rescues") or [])
+    fixes = list(r.get("rescue_fixes") or dict.fromkeys(x.get("fix") for x in rescues))
+    failed = r.get("rescue_failed")
+    info: dict[str, Any] = {
+        "fixes": fixes,
+        "step": rescues[0].get("step") if rescues else None,
+        "steps_lost": int(sum(x.get("steps_lost") or 0 for x in rescues)),
+        "restored_steps": [x.get("restored_step") for x in rescues],
+        "tolerance": tolerance,
+        "compared_with": None,
+        "failed_at": None,
+    }
+
+    def verdict(text: str, checks: Sequence[CheckResult] = ()) -> Verdict:
+        return Verdict(name, "rescue", text, list(checks), mechanism, info)
+
+    if failed:
+        info["failed_at"] = failed.get("step")
+        return verdict(f"rescue failed at step {failed.get('step')}")
+    if r.get("status") == "stopped":
+        return verdict(f"stopped at step {(r.get('stopped') or {}).get('step')}")
+    if not rescues:
+        return verdict(NO_RESCUE)
+    wanted = set(fixes)
+    same = [
+        n
+        for n in order
+        if n in results
+        and roles.get(n) == "intervention"
+        and set(results[n].get("interventions") or {}) == wanted
+    ]
+    label = " + ".join(fixes)
+    if not same:
+        return verdict(f"not judged: no {label} variant to compare with")
+    other = same[0]
+    info["compared_with"] = other
+    if results[other].get("status") != "done":
+        return verdict(f"not judged: the {other} variant {results[other].get('status', 'did not run')}")
+    own, theirs = _float(r.get("val_loss")), _float(results[other].get("val_loss"))
+    if not math.isfinite(theirs):
+        return verdict(f"not judged: the {other} variant has no finite held-out loss")
+    diff = own - theirs if math.isfinite(own) else math.inf
+    check = CheckResult(f"val_loss − {other} <= {tolerance:g}", diff, diff <= tolerance)
+    return verdict(RESCUED if check.passed else NOT_RESCUED, [check])
+
+
+def _float(value: Any) -> float:
+    try:
+        return float(value)
+    except (TypeError, ValueError):
+        return math.nan

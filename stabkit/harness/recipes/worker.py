@@ -11,8 +11,11 @@ the quantities the verdicts read, `results.finish`). The interventions are appli
 ``attach(..., interventions=)``, because the monitor removes those at detach, and the held-out loss
 after training must be measured on the model as trained. Progress goes to an optional callback; a
 set stop flag (or Ctrl-C) ends training at the next step with the logs flushed and a result whose
-status is "interrupted". Exceptions become status "failed" (traceback in ``<logdir>/error.txt``),
-so one broken variant never loses the others.
+status is "interrupted". A `stabkit.InstabilityError` (stabkit stopped training on purpose: the
+action 'raise', or a rescue that failed) becomes status "stopped" with the event that stopped it
+(``stopped``: step, kind, message) and the held-out loss of the model as it was then. Other
+exceptions become status "failed" (traceback in ``<logdir>/error.txt``), so one broken variant
+never loses the others.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from torch import nn
 
 from ...config import MonitorConfig
 from ...distributed import DistContext
+from ...events import InstabilityError
 from ...interventions import Handle
 from ...monitor import Monitor, attach
 from ..data import load_corpus
@@ -100,6 +104,7 @@ def run_job(
     report = progress or (lambda *a: None)
     report(job.name, "start", 0, config.steps, math.nan)
     ctx: DistContext | None = None
+    run: Built | None = None
     try:
         ctx = ddp_mod.rank_context() if job.ddp else None
         device = torch.device(job.device)
@@ -116,6 +121,8 @@ def run_job(
         result["status"] = "done"
     except KeyboardInterrupt:
         result["status"] = "interrupted"
+    except InstabilityError as exc:
+        record_stop(recipe, run, result, exc)
     except Exception as exc:
         record_failure(job, result, exc, ctx)
     finally:
@@ -155,6 +162,11 @@ def build(
         inject_output_fault(model, fault, clock)
         if ctx is not None:
             notes.append("under DDP the detectors do not replay a non-finite step: not localized")
+    if ctx is not None and variant.role == "rescue":
+        notes.append(
+            f"{variant.name}: under DDP the gains a rescue adds join the optimizer but not DDP's gradient "
+            "averaging (they are added after the wrap): judge a rescue on one process"
+        )
     autocast_forward(model, config.precision, device)
     net = model if ctx is None else ddp_mod.wrap(model, device)
     return Built(model, net, handle, corpus, train_corpus, config, clock, ctx, notes)
@@ -245,6 +257,21 @@ def evaluate(recipe: Recipe, run: Built, device: torch.device) -> dict[str, floa
     return heldout(
         run.model, run.corpus, config.eval_batches, config.batch_size, recipe.model.context, device
     )
+
+
+def record_stop(recipe: Recipe, run: Built | None, result: dict[str, Any], exc: InstabilityError) -> None:
+    """Status "stopped": stabkit stopped training (`InstabilityError`); the event that stopped it, and
+    the held-out loss of the model as it was then (the run's numbers stay comparable)."""
+    event = exc.event
+    result["status"] = "stopped"
+    result["stopped"] = {"step": event.step, "kind": event.kind, "message": event.message}
+    result["error"] = f"stopped by stabkit at step {event.step}: {' '.join(str(event.message).split())}"
+    if run is None:
+        return
+    try:
+        result.update(evaluate(recipe, run, next(run.model.parameters()).device))
+    except Exception as error:  # the model may be broken beyond evaluating: say so, keep the stop
+        result["notes"].append(f"held-out loss after the stop not measured ({type(error).__name__})")
 
 
 def record_failure(job: Job, result: dict[str, Any], exc: Exception, ctx: DistContext | None) -> None:

@@ -158,8 +158,8 @@ def train(
     losses: list[float] = []
     try:
         for step in range(cfg.steps):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, cfg)
+            for group in opt.param_groups:  # lr_scale: a factor stabkit's rescue may have set
+                group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
             total = torch.zeros((), device=device)
             for _ in range(cfg.grad_accum):
                 x, y = corpus.batch("train", cfg.batch_size, context, gen)

@@ -14,8 +14,10 @@ from stabkit.harness.recipes import load_recipe, run_recipe
 from stabkit.harness.recipes.depth import depth_sweep
 from stabkit.harness.recipes.measures import aggregate
 from stabkit.harness.recipes.schema import DepthSpec
+from stabkit.harness.recipes.summary import Summary
 from stabkit.harness.recipes.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
+from stabkit.sinks.jsonl import json_safe
 
 
 def history(logdir: Path) -> list[tuple[int, dict[str, float]]]:
@@ -23,17 +25,20 @@ def history(logdir: Path) -> list[tuple[int, dict[str, float]]]:
 
 
 @pytest.fixture(scope="module")
-def alg_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+def alg_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Summary]:
     out = tmp_path_factory.mktemp("alg")
     recipe = load_recipe("attention-logit-growth", "tiny", steps=30)
     return out, run_recipe(recipe, out, workers=1)
 
 
-def test_every_variant_logs_to_its_own_folder_and_the_summary_is_complete(alg_run: tuple[Path, dict]) -> None:
-    out, _summary = alg_run
+def test_every_variant_logs_to_its_own_folder_and_the_summary_is_complete(
+    alg_run: tuple[Path, Summary],
+) -> None:
+    out, summary = alg_run
     on_disk = json.loads((out / "summary.json").read_text())
+    assert on_disk == json.loads(json.dumps(json_safe(summary.to_dict())))  # the returned Summary is the file
     assert on_disk["complete"] is True and on_disk["interrupted"] is False
-    assert list(on_disk["variants"]) == ["baseline", "qk_norm", "attn_softcap", "reference"]
+    assert list(on_disk["variants"]) == ["baseline", "qk_norm", "attn_softcap", "rescue", "reference"]
     for name, r in on_disk["variants"].items():
         assert r["status"] == "done" and r["steps_done"] == 30
         folder = out / name
@@ -41,9 +46,9 @@ def test_every_variant_logs_to_its_own_folder_and_the_summary_is_complete(alg_ru
         assert [s for s, _ in history(folder)] == list(range(30))
 
 
-def test_variants_share_init_and_data(alg_run: tuple[Path, dict]) -> None:
+def test_variants_share_init_and_data(alg_run: tuple[Path, Summary]) -> None:
     _, summary = alg_run
-    v = summary["variants"]
+    v = summary.variants
     # same seed -> same weights and same first batch: the loss before any update is identical for
     # the baseline and the reference run at another LR; interventions that add no parameter
     # noise at init (a cap far above the initial logits) also match
@@ -53,9 +58,11 @@ def test_variants_share_init_and_data(alg_run: tuple[Path, dict]) -> None:
     assert v["baseline"]["final_loss"] != v["reference"]["final_loss"]
 
 
-def test_summary_numbers_match_the_logs_and_the_verdicts_follow_from_them(alg_run: tuple[Path, dict]) -> None:
+def test_summary_numbers_match_the_logs_and_the_verdicts_follow_from_them(
+    alg_run: tuple[Path, Summary],
+) -> None:
     out, summary = alg_run
-    for name, r in summary["variants"].items():
+    for name, r in summary.variants.items():
         rows = history(out / name)
         top = max(
             v for _, row in rows for k, v in row.items() if k.startswith("attn/") and k.endswith("/max_logit")
@@ -65,16 +72,16 @@ def test_summary_numbers_match_the_logs_and_the_verdicts_follow_from_them(alg_ru
         assert r["initial_loss"] == pytest.approx(losses[0]) and r["final_loss"] == pytest.approx(
             sum(losses[-3:]) / 3
         )
-    v = summary["variants"]
+    v = summary.variants
     assert v["qk_norm"]["max_attn_logit"] < v["baseline"]["max_attn_logit"]
     assert v["attn_softcap"]["max_attn_logit_capped"] <= 30.0 + 1e-4
-    base = summary["verdicts"]["baseline"]
+    base = summary.verdicts["baseline"]
     expected = (
         v["baseline"]["max_attn_logit"] > 1e3
         and v["baseline"]["val_loss"] - v["reference"]["val_loss"] > 0.25
     )
     assert base["verdict"] == ("reproduced" if expected else "not reproduced")
-    qk = summary["verdicts"]["qk_norm"]["verdict"]
+    qk = summary.verdicts["qk_norm"]["verdict"]
     assert qk in (("fixed", "not fixed") if expected else ("not reproduced at this size",))
 
 
@@ -83,14 +90,14 @@ def test_nan_fault_is_caught_localized_and_skipped(tmp_path: Path) -> None:
     assert recipe.fault is not None and recipe.fault.step == 20
     recipe.variants = [v for v in recipe.variants if v.name in ("baseline", "skip")]
     summary = run_recipe(recipe, tmp_path, workers=1)
-    base, skip = summary["variants"]["baseline"], summary["variants"]["skip"]
+    base, skip = summary.variants["baseline"], summary.variants["skip"]
     assert base["diverged"] == 1.0 and math.isnan(base["val_loss"])
     assert base["first_event_step"] == 20 and base["first_event_kind"] == "nonfinite"
     assert base["fault_detected"] == 1.0 and base["fault_localized"] == 1.0
     # skipped: training goes on (40 steps are too few to beat the bigram level, so no "diverged" check)
     assert math.isfinite(skip["val_loss"]) and skip["val_loss"] < skip["init_val_loss"] - 1.0
     assert skip["nonfinite_steps"] == 1 and skip["event_list"][0]["details"]["skipped_update"] is True
-    assert summary["verdicts"]["baseline"]["verdict"] == "reproduced"
+    assert summary.verdicts["baseline"]["verdict"] == "reproduced"
 
 
 def test_interrupt_leaves_flushed_logs_and_a_partial_result(tmp_path: Path) -> None:
@@ -112,11 +119,11 @@ def test_a_crashing_variant_is_reported_and_the_others_finish(tmp_path: Path) ->
     recipe.variants = recipe.variants[:2]
     recipe.variants[1].interventions = {"z_loss": {"coef": -1.0}}  # refused when applied
     summary = run_recipe(recipe, tmp_path, workers=1)
-    bad = summary["variants"]["qk_norm"]
+    bad = summary.variants["qk_norm"]
     assert bad["status"] == "failed" and "coef must be >= 0" in bad["error"]
     assert (tmp_path / "qk_norm" / "error.txt").read_text().startswith("Traceback")
-    assert summary["variants"]["baseline"]["status"] == "done"
-    assert summary["complete"] is False and summary["verdicts"]["qk_norm"]["verdict"] == "failed"
+    assert summary.variants["baseline"]["status"] == "done"
+    assert summary.complete is False and summary.verdicts["qk_norm"]["verdict"] == "failed"
 
 
 def test_depth_effect_at_init_matches_xiong() -> None:

@@ -14,7 +14,18 @@ from stabkit.harness.recipes.faults import FaultyCorpus
 from stabkit.harness.recipes.measures import aggregate, best_smoothed, bigram_loss, tail_mean
 from stabkit.harness.recipes.schema import FaultSpec
 from stabkit.harness.recipes.sweep import lr_sensitivity
-from stabkit.harness.recipes.verdict import FIXED, NOT_AT_SIZE, NOT_FIXED, NOT_REPRODUCED, REPRODUCED, judge
+from stabkit.harness.recipes.verdict import (
+    FIXED,
+    NO_RESCUE,
+    NOT_AT_SIZE,
+    NOT_FIXED,
+    NOT_REPRODUCED,
+    NOT_RESCUED,
+    REPRODUCED,
+    RESCUED,
+    Verdict,
+    judge,
+)
 
 ROLES = {"baseline": "baseline", "qk": "intervention", "cap": "intervention", "ref": "reference"}
 ORDER = list(ROLES)
@@ -138,3 +149,94 @@ def test_faulty_corpus_replaces_only_the_fault_steps_and_keeps_the_data_order() 
         same = torch.equal(clean[0], bad[0]) and torch.equal(clean[1], bad[1])
         assert same == (step not in (2, 3)), step
         assert torch.equal(bad[0][:, 1:], bad[1][:, :-1])  # still input/target windows
+
+
+# ---- rescue variants: judged against the variant that had the fix from the start
+
+RESCUE_ROLES = {"baseline": "baseline", "qk": "intervention", "cap": "intervention", "rescue": "rescue"}
+RESCUE_ORDER = list(RESCUE_ROLES)
+
+
+def rescue_results(rescue: dict[str, object]) -> dict[str, dict[str, object]]:
+    return {
+        "baseline": result(max_attn_logit=2e4, val_loss=2.6),
+        "qk": {
+            **result(max_attn_logit=15.0, val_loss=2.27),
+            "interventions": {"qk_norm": {"kind": "layernorm"}},
+        },
+        "cap": {**result(val_loss=2.37), "interventions": {"attn_softcap": {"cap": 30.0}}},
+        "rescue": {"interventions": {}, **rescue},
+    }
+
+
+def rescued_at(step: int, fix: str, lost: int, val: float, **extra: object) -> dict[str, object]:
+    rescues = [
+        {"step": step, "fix": fix, "restored_step": step - lost, "steps_lost": lost, "output_change": 0.03}
+    ]
+    return {
+        **result(val_loss=val),
+        "rescues": rescues,
+        "rescue_count": 1,
+        "rescue_fixes": [fix],
+        "rescue_step": step,
+        "steps_lost": lost,
+        "rescue_failed": None,
+        **extra,
+    }
+
+
+def judge_rescue_variant(rescue: dict[str, object], tolerance: float = 0.1) -> Verdict:
+    fixes = {"qk": [Check("max_attn_logit", "<", 100)], "cap": [], "rescue": []}
+    verdicts = judge(
+        RESCUE_ORDER, RESCUE_ROLES, rescue_results(rescue), REPRO[:1], fixes, {}, {"rescue": tolerance}
+    )
+    return verdicts["rescue"]
+
+
+def test_a_rescue_within_the_tolerance_of_the_fix_from_the_start_is_rescued() -> None:
+    v = judge_rescue_variant(rescued_at(95, "qk_norm", 20, 2.33))
+    assert v.verdict == RESCUED and v.role == "rescue"
+    assert v.checks[0].measured == pytest.approx(2.33 - 2.27) and v.checks[0].passed
+    assert v.rescue is not None and v.rescue["compared_with"] == "qk" and v.rescue["steps_lost"] == 20
+    assert v.rescue["fixes"] == ["qk_norm"] and v.rescue["step"] == 95 and v.rescue["restored_steps"] == [75]
+    assert "rescue" in v.to_dict() and "rescue" not in judge_rescue_variant_baseline().to_dict()
+
+
+def judge_rescue_variant_baseline() -> Verdict:
+    fixes: dict[str, list[Check]] = {"qk": [], "cap": [], "rescue": []}
+    return judge(RESCUE_ORDER, RESCUE_ROLES, rescue_results({}), REPRO[:1], fixes, {})["baseline"]
+
+
+def test_a_rescue_beyond_the_tolerance_is_not_rescued_and_says_by_how_much() -> None:
+    v = judge_rescue_variant(rescued_at(95, "attn_softcap", 45, 2.52))
+    assert v.verdict == NOT_RESCUED and v.rescue is not None and v.rescue["compared_with"] == "cap"
+    assert v.checks[0].measured == pytest.approx(2.52 - 2.37) and v.checks[0].passed is False
+    assert judge_rescue_variant(rescued_at(95, "qk_norm", 20, 2.33), tolerance=0.05).verdict == NOT_RESCUED
+    diverged = judge_rescue_variant(rescued_at(95, "qk_norm", 20, math.nan))
+    assert diverged.verdict == NOT_RESCUED and diverged.checks[0].measured == math.inf
+
+
+def test_no_rescue_failed_rescue_and_no_comparison_variant() -> None:
+    quiet = {**result(val_loss=2.6), "rescues": [], "rescue_count": 0, "rescue_fixes": [], "steps_lost": 0}
+    assert judge_rescue_variant(quiet).verdict == NO_RESCUE
+    failed = {
+        **rescued_at(95, "qk_norm", 20, 2.5),
+        "status": "stopped",
+        "stopped": {"step": 180, "kind": "drift", "message": "m"},
+        "rescue_failed": {"step": 180, "message": "rescue failed: ..."},
+    }
+    v = judge_rescue_variant(failed)
+    assert v.verdict == "rescue failed at step 180" and v.rescue is not None and v.rescue["failed_at"] == 180
+    z = judge_rescue_variant(rescued_at(95, "z_loss", 10, 2.3))
+    assert z.verdict == "not judged: no z_loss variant to compare with" and z.checks == []
+    unfinished = rescue_results(rescued_at(95, "qk_norm", 20, 2.3))
+    unfinished["qk"]["status"] = "failed"
+    v = judge(RESCUE_ORDER, RESCUE_ROLES, unfinished, REPRO[:1], {}, {})["rescue"]
+    assert v.verdict == "not judged: the qk variant failed"
+
+
+def test_a_variant_stopped_by_stabkit_says_where() -> None:
+    results = {"baseline": {"status": "stopped", "stopped": {"step": 42, "kind": "drift", "message": "m"}}}
+    assert judge(["baseline"], {"baseline": "baseline"}, results, REPRO, {}, {})["baseline"].verdict == (
+        "stopped at step 42"
+    )
