@@ -167,10 +167,7 @@ class Rescue(Action):
             ctx.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
         # the snapshots so far are of the model without the fix: a later rescue must not restore
         # them (they miss its parameters); the next ones cover them and their optimizer state
-        c = ctx.config
-        self.snapshots = SnapshotStore(
-            ctx.model, ctx.optimizer, c.snapshot_every, c.snapshots, c.snapshot_device
-        )
+        self.snapshots = SnapshotStore.for_config(ctx.model, ctx.optimizer, ctx.config)
         after = _outputs(ctx.model, inputs)
         lr = self._scale_lr()
         change = _change(before, after)
