@@ -259,8 +259,9 @@ def _describe(options: dict[str, Any]) -> str:
 
 
 def _outputs(model: nn.Module, inputs: list[Any]) -> list[torch.Tensor]:
-    """The model's main output on each kept forward (no grad, RNG and training mode kept)."""
-    from ..detectors.nonfinite import rng_state, set_rng_state
+    """The model's main output on each kept forward, re-run with the step's own RNG state and autocast
+    (so before and after the switch see the same dropout masks); no grad; the RNG is restored."""
+    from ..detectors.nonfinite import rerun_forward, rng_state, set_rng_state
     from ..probes import first_tensor
 
     outs = []
@@ -269,7 +270,7 @@ def _outputs(model: nn.Module, inputs: list[Any]) -> list[torch.Tensor]:
         with torch.no_grad():
             for fwd in inputs:
                 with contextlib.suppress(TypeError):
-                    outs.append(first_tensor(model(*fwd.args, **fwd.kwargs)).detach().float().clone())
+                    outs.append(first_tensor(rerun_forward(model, fwd)).detach().float().clone())
     finally:
         set_rng_state(*saved)
     return outs

@@ -15,7 +15,6 @@ whose optimizer state or update is non-finite.
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from torch import nn
 from ..events import Event
 from ..probes import first_tensor
 from ..stats.finite import floating_tensors, is_nonfinite, nonfinite_flag
-from .nonfinite import KeptForward, optimizer_tensors, rng_state, set_rng_state
+from .nonfinite import KeptForward, optimizer_tensors, rerun_forward, rng_state, set_rng_state
 from .tracer import FiniteTracer
 
 MAX_LISTED = 20
@@ -157,11 +156,11 @@ def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] 
     tracer = FiniteTracer(model, backward=backward)
     try:
         try:
-            output = _forward(model, fwd)
+            output = rerun_forward(model, fwd)
         except RuntimeError:  # full backward hooks refuse some in-place patterns: forward-only checks
             tracer.detach()
             tracer, backward = FiniteTracer(model, backward=False), False
-            output = _forward(model, fwd)
+            output = rerun_forward(model, fwd)
         site = tracer.result()
         if site is not None:
             return FaultSite(site[1], site[0], site[2])
@@ -189,14 +188,6 @@ def _replay_one(model: nn.Module, fwd: KeptForward, loss_fn: Callable[..., Any] 
         return FaultSite(site[1], site[0], site[2]) if site is not None else None
     finally:
         tracer.detach()
-
-
-def _forward(model: nn.Module, fwd: KeptForward) -> Any:
-    set_rng_state(fwd.rng_cpu, fwd.rng_cuda)
-    with contextlib.ExitStack() as stack:
-        for device_type, dtype in fwd.autocast:
-            stack.enter_context(torch.autocast(device_type, dtype=dtype))
-        return model(*fwd.args, **fwd.kwargs)
 
 
 def finding_event(step: int, finding: FaultSite | None, metric: str, value: float) -> Event:

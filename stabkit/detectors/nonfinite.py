@@ -15,6 +15,7 @@ The device checks themselves are `stabkit.stats.finite.nonfinite_flag`.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -67,6 +68,16 @@ def autocast_state() -> list[tuple[str, torch.dtype]]:
         if torch.is_autocast_enabled(dev):
             out.append((dev, torch.get_autocast_dtype(dev)))
     return out
+
+
+def rerun_forward(model: nn.Module, fwd: KeptForward) -> Any:
+    """Run a kept forward again as it ran: its RNG state and autocast settings, its inputs (the
+    caller restores the RNG afterwards). Used by the replay and by the rescue's before/after check."""
+    set_rng_state(fwd.rng_cpu, fwd.rng_cuda)
+    with contextlib.ExitStack() as stack:
+        for device_type, dtype in fwd.autocast:
+            stack.enter_context(torch.autocast(device_type, dtype=dtype))
+        return model(*fwd.args, **fwd.kwargs)
 
 
 def optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
