@@ -31,6 +31,7 @@ def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor |
     out["final_loss"] = tail_mean(losses)
     out["best_loss"] = best_smoothed(losses)
     out["nonfinite_steps"] = sum(1 for v in losses if not math.isfinite(v))
+    out["first_nonfinite_step"] = next((i for i, v in enumerate(losses) if not math.isfinite(v)), math.nan)
     out["bigram_loss"] = bigram_loss(recipe.data)
     val = result.get("val_loss", math.nan)
     done = result["status"] in FINISHED

@@ -114,8 +114,12 @@ def run_job(
         result["notes"] += run.notes
         result["init_val_loss"] = evaluate(recipe, run, device)["val_loss"]
         opt, monitor = watch(job, run)
-        train_variant(job, run, opt, monitor, losses, report, should_stop, device)
+        if config.eval_every:
+            result["val_curve"] = [[0, result["init_val_loss"]]]
+        train_variant(job, run, opt, monitor, losses, report, should_stop, device, result.get("val_curve"))
         result.update(evaluate(recipe, run, device))
+        if config.eval_every:
+            result["val_curve"].append([len(losses), result["val_loss"]])
         if isinstance(run.train_corpus, ddp_mod.RankRows):  # rows this rank trained on per micro-batch
             result["rows_per_process"] = run.train_corpus.drawn / max(1, len(losses) * config.grad_accum)
         result["status"] = "done"
@@ -210,14 +214,18 @@ def train_variant(
     report: Progress,
     should_stop: Callable[[], bool] | None,
     device: torch.device,
+    val_curve: list[list[float]] | None = None,
 ) -> None:
     """Train `run` with `monitor` stepped after each optimizer step (the interventions' metrics
     recorded first, committed by that step and reduced across ranks like the other statistics);
-    losses go to `losses` as they come. Raises `Stop` when asked to stop (the ranks agree on it)."""
+    losses go to `losses` as they come, and with ``train.eval_every`` the held-out loss after every
+    that many steps to `val_curve` as ``[steps done, loss]``. Raises `Stop` when asked to stop (the
+    ranks agree on it)."""
     steps = run.config.steps
     every = max(1, steps // 100)
     agree = ddp_mod.StepAgreement(device, should_stop) if run.ctx is not None else None
     handle = run.handle
+    curve = val_curve if val_curve is not None else []
 
     def after_update(loss: torch.Tensor) -> None:
         if handle is not None:
@@ -234,6 +242,8 @@ def train_variant(
         losses.append(loss)
         if stop:
             raise Stop
+        if run.config.eval_every and (step + 1) % run.config.eval_every == 0 and step + 1 < steps:
+            curve.append([step + 1, evaluate(job.recipe, run, device, curve=True)["val_loss"]])
         if step % every == 0 or step == steps - 1:
             report(job.name, "step", step + 1, steps, loss)
 
@@ -251,12 +261,12 @@ def train_variant(
     )
 
 
-def evaluate(recipe: Recipe, run: Built, device: torch.device) -> dict[str, float]:
-    """Held-out loss and log Z of the model as it is now (the same batches every time)."""
+def evaluate(recipe: Recipe, run: Built, device: torch.device, curve: bool = False) -> dict[str, float]:
+    """Held-out loss and log Z of the model as it is now (the same batches every time; a point of
+    the curve during training uses the first quarter of them, at least one)."""
     config = run.config
-    return heldout(
-        run.model, run.corpus, config.eval_batches, config.batch_size, recipe.model.context, device
-    )
+    batches = max(1, config.eval_batches // 4) if curve else config.eval_batches
+    return heldout(run.model, run.corpus, batches, config.batch_size, recipe.model.context, device)
 
 
 def record_stop(recipe: Recipe, run: Built | None, result: dict[str, Any], exc: InstabilityError) -> None:

@@ -65,6 +65,10 @@ class TrainConfig:
     """Seed of the model init and of the data order."""
     eval_batches: int = field(default=8, metadata=bounds(lo=1))
     """Validation batches at the end."""
+    eval_every: int = field(default=0, metadata=bounds(lo=0))
+    """Also measure the held-out loss every this many steps (0 = only before and after training); the
+    recipes' worker records the curve (``val_curve``), which the lead-time table reads. Evaluation
+    runs without gradients in eval mode, on its own batches: training is unchanged."""
     grad_accum: int = field(default=1, metadata=bounds(lo=1))
     """Micro-batches per optimizer step."""
     precision: Precision = "fp32"
