@@ -179,7 +179,9 @@ def scale_lines(report: object) -> str:
         lines.append(f"{variant}: LR where the max logit crosses {report.threshold:g}, measured: {measured}")
         law = entry.get("law", {})
         if "error" in law:
-            lines.append(f"  no law fitted: {law['error']}")
+            top = max((r.get("max_attn_logit") or 0.0 for r in report.runs.values() if r["variant"] == variant),
+                      default=0.0)  # fmt: skip
+            lines.append(f"  no law fitted (max logit on the grid {top:.3g}): {law['error']}")
             continue
         a, b, c, d = law["params"]
         lines.append(

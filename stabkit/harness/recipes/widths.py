@@ -274,7 +274,8 @@ def plot(report: ScaleReport, path: Path) -> str:
         ylabel="max attention logit",
         title=f"{report.recipe}: max logit vs LR per width",
     )
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
     plot_crossings(ax_cross, report)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -346,4 +347,5 @@ def plot_crossings(ax: Any, report: ScaleReport) -> None:
         ylabel=f"LR where max logit crosses {report.threshold:g}",
         title="predicted vs measured",
     )
-    ax.legend(fontsize=7)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
