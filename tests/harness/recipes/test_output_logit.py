@@ -5,7 +5,6 @@ z-loss pulls log Z towards 0 and leaves that drift alone."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
