@@ -26,12 +26,12 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
 def test_the_mean_output_logit_drifts_negative_and_log_z_does_not(runs: dict[str, dict[str, Any]]) -> None:
     base = runs["baseline"]
     assert base["status"] == "done" and base["steps_done"] == STEPS
-    # measured at 150 steps: mean logit about -5 (0 at init), mean log Z about 6 (5.5 at init)
+    # measured at 150 steps: mean logit -4.4 (0 at init), mean log Z 6.6 (5.9 at init)
     assert base["mean_logit"] < -3.0
     assert 4.0 < base["mean_logz"] < 9.0
 
 
 def test_z_loss_pulls_log_z_towards_zero_not_the_mean_logit(runs: dict[str, dict[str, Any]]) -> None:
     base, z = runs["baseline"], runs["z_loss"]
-    assert z["mean_abs_logz"] < base["mean_abs_logz"]
-    assert z["mean_logit"] < -3.0  # the drift is the never-seen tokens', which z-loss does not touch
+    assert z["mean_abs_logz"] <= base["mean_abs_logz"] - 0.1  # measured 6.37 vs 6.58
+    assert z["mean_logit"] < -3.0  # -4.5: the drift is the never-seen tokens', which z-loss leaves alone
