@@ -1,9 +1,10 @@
-"""Output-logit probe: max |logit| and log Z (mean, max) of the model's final logits.
+"""Output-logit probe: max |logit|, log Z (mean, max) and the mean logit of the model's final logits.
 
 A forward hook where discovery found the final logits (`ModelMap.logits`: the output head, or the
 model's own output when it scales or caps after the head), on sampled steps, in training forwards
 only (`ProbeContext.training_forward`). log Z = logsumexp over the vocabulary; its drift is the
-output-logit divergence of Wortsman et al. 2023.
+output-logit divergence of Wortsman et al. 2023, who plot it as the mean output logit (over the
+vocabulary and positions) drifting far negative: `logits/mean`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from .base import Probe, ProbeContext, first_tensor, guarded
 
 
 class LogitProbe(Probe):
-    """Writes `logits/max_abs`, `logits/logz_mean`, `logits/logz_max`."""
+    """Writes `logits/max_abs`, `logits/logz_mean`, `logits/logz_max`, `logits/mean`."""
 
     name = "logits"
     families = frozenset({"logits"})
@@ -46,8 +47,9 @@ class LogitProbe(Probe):
         """Forward hook body (after the module that yields the final logits, sampled training forwards)."""
         ctx = self.ctx
         assert ctx is not None
-        max_abs, logz_mean, logz_max = logit_stats(first_tensor(output))
+        max_abs, logz_mean, logz_max, mean = logit_stats(first_tensor(output))
         rec = ctx.recorder
         rec.add("logits/max_abs", max_abs, combine="max", reduction="max")
         rec.add("logits/logz_mean", logz_mean, combine="mean", reduction="mean")
         rec.add("logits/logz_max", logz_max, combine="max", reduction="max")
+        rec.add("logits/mean", mean, combine="mean", reduction="mean")

@@ -74,20 +74,29 @@ def l2_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
 
 
-def logit_stats(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(max |logit|, mean log Z, max log Z) over the last (vocabulary) dimension, float32 on device.
+def logit_stats(
+    logits: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(max |logit|, mean log Z, max log Z, mean logit) over the last (vocabulary) dimension,
+    float32 on device. The mean logit is over the vocabulary and every position: the quantity
+    Wortsman et al. 2023 (§3.2, Fig. 4) plot for the output-logit divergence.
 
     log Z = logsumexp is computed over LOGZ_CHUNKS row chunks, so its temporaries stay a small
-    fraction of the logits (the probe runs at the end of the forward pass, where memory peaks).
+    fraction of the logits (the probe runs at the end of the forward pass, where memory peaks);
+    the mean logit is summed from the same float32 chunks.
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
     lo, hi = torch.aminmax(flat)
     max_abs = torch.maximum(hi, -lo).float()
     rows = max(1, -(-flat.shape[0] // LOGZ_CHUNKS))  # ceil
     total = torch.zeros((), device=flat.device)
+    logit_sum = torch.zeros((), device=flat.device)
     peak = torch.full((), -math.inf, device=flat.device)
     for start in range(0, flat.shape[0], rows):
-        logz = torch.logsumexp(flat[start : start + rows].float(), dim=-1)  # (rows,)
+        chunk = flat[start : start + rows].float()  # (rows, V)
+        logz = torch.logsumexp(chunk, dim=-1)  # (rows,)
         total = total + logz.sum()
+        logit_sum = logit_sum + chunk.sum()
         peak = torch.maximum(peak, logz.amax())
-    return max_abs, total / max(1, flat.shape[0]), peak
+    count = max(1, flat.shape[0])
+    return max_abs, total / count, peak, logit_sum / max(1, flat.numel())

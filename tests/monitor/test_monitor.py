@@ -56,7 +56,14 @@ def test_twenty_steps_write_tags_for_every_block(family: str, tmp_path: Path) ->
         assert f"grad/{b}/norm" in tags
         assert f"update/{b}/ratio" in tags
         assert f"param/{b}/norm" in tags
-    assert {"logits/max_abs", "logits/logz_mean", "logits/logz_max", "grad/global_norm", "loss"} <= tags
+    assert {
+        "logits/max_abs",
+        "logits/logz_mean",
+        "logits/logz_max",
+        "logits/mean",
+        "grad/global_norm",
+        "loss",
+    } <= tags
     # every step has the cheap scalars; per-layer ones only on sampled steps (0, 5, 10, 15)
     assert [e.step for e in acc.Scalars("loss")] == list(range(20))
     assert [e.step for e in acc.Scalars(f"act/{blocks[0]}/rms")] == [0, 5, 10, 15]

@@ -103,6 +103,7 @@ def test_float64_forward_families_equal_hand_computation() -> None:
     close(m["logits/max_abs"], logits.abs().max().item(), "logits max_abs")
     close(m["logits/logz_mean"], logz.mean().item(), "logz mean")
     close(m["logits/logz_max"], logz.max().item(), "logz max")
+    close(m["logits/mean"], logits.mean().item(), "logit mean")
     close(m["loss"], seen["loss"], "loss")
     for i in range(len(model.blocks)):
         want = seen[f"attn.{i}"]

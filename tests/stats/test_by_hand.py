@@ -66,6 +66,7 @@ def test_activation_logit_grad_param_update_and_loss(setup: tuple[nn.Module, Any
     assert m["logits/max_abs"] == pytest.approx(logits.abs().max().item(), rel=1e-6)
     assert m["logits/logz_mean"] == pytest.approx(logz.mean().item(), rel=1e-5)
     assert m["logits/logz_max"] == pytest.approx(logz.max().item(), rel=1e-5)
+    assert m["logits/mean"] == pytest.approx(logits.mean().item(), rel=1e-5, abs=1e-6)
     assert m["loss"] == pytest.approx(loss.item(), rel=1e-6)
 
     assert m["grad/global_norm"] == pytest.approx(cat_norm(list(grads.values())), rel=1e-5)

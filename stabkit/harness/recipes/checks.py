@@ -25,6 +25,8 @@ RUN_QUANTITIES: dict[str, str] = {
     "max_attn_logit_capped": "max attention logit after a soft cap (only with a cap)",
     "max_logz": "max log Z (logsumexp of the output logits) over sampled steps",
     "mean_abs_logz": "mean |log Z| over held-out batches at the end",
+    "mean_logz": "mean log Z over held-out batches at the end",
+    "mean_logit": "mean output logit (over the vocabulary and positions) on held-out batches at the end",
     "diverged": "1 when the loss ends non-finite or no better than a bigram model, else 0",
     "nonfinite_steps": "training steps whose loss was non-finite",
     "events": "number of detector events",

@@ -40,11 +40,12 @@ def bigram_loss(data: str | None) -> float:
 def heldout(
     model: nn.Module, corpus: ByteCorpus, batches: int, batch_size: int, context: int, device: torch.device
 ) -> dict[str, float]:
-    """Mean held-out loss, mean log Z and mean |log Z| over `batches` fixed validation batches."""
+    """Mean held-out loss, mean log Z, mean |log Z| and mean output logit (over the vocabulary and
+    positions) over `batches` fixed validation batches."""
     was_training = model.training
     model.eval()
     gen = torch.Generator().manual_seed(EVAL_SEED)
-    loss = logz = abs_logz = 0.0
+    loss = logz = abs_logz = mean_logit = 0.0
     for _ in range(batches):
         x, y = corpus.batch("val", batch_size, context, gen)
         logits = model(x.to(device)).float()  # (B, T, V)
@@ -52,8 +53,14 @@ def heldout(
         loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1)))
         logz += float(lse.mean())
         abs_logz += float(lse.abs().mean())
+        mean_logit += float(logits.mean())
     model.train(was_training)
-    return {"val_loss": loss / batches, "mean_logz": logz / batches, "mean_abs_logz": abs_logz / batches}
+    return {
+        "val_loss": loss / batches,
+        "mean_logz": logz / batches,
+        "mean_abs_logz": abs_logz / batches,
+        "mean_logit": mean_logit / batches,
+    }
 
 
 def best_smoothed(losses: list[float]) -> float:

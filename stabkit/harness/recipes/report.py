@@ -185,7 +185,7 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def results_table(summary: Summary) -> str:
     """Per variant: final / best / held-out loss, max attention logit (before any cap), max log Z,
-    mean |log Z|, first event, diverged, verdict."""
+    mean |log Z|, mean output logit (held out), first event, diverged, verdict."""
     headers = [
         "variant",
         "final",
@@ -194,6 +194,7 @@ def results_table(summary: Summary) -> str:
         "max attn logit",
         "max logZ",
         "mean|logZ|",
+        "mean logit",
         "first event",
         "diverged",
         "verdict",
@@ -213,7 +214,8 @@ def results_table(summary: Summary) -> str:
             logit += f" (capped {big(r['max_attn_logit_capped'])})"
         rows.append([
             name, num(r.get("final_loss")), num(r.get("best_loss")), num(r.get("val_loss")), logit,
-            big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), first, diverged, verdict,
+            big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), num(r.get("mean_logit"), 2), first,
+            diverged, verdict,
         ])  # fmt: skip
     return table(headers, rows)
 
