@@ -77,12 +77,15 @@ class LawFit:
 
 
 def crossing_lr(params: np.ndarray, width: float, threshold: float) -> float | None:
+    """The LR at which the law `params` reaches `threshold` at `width`: None when the slope there is
+    not positive, inf when the crossing lies beyond any float (a slope near 0)."""
     a, b, c, d = (float(v) for v in params)
     u = math.log10(width)
     slope = b + d * u
     if not slope > 0:
         return None
-    return 10 ** ((math.log10(threshold) - a - c * u) / slope)
+    exponent = (math.log10(threshold) - a - c * u) / slope
+    return 10**exponent if exponent < 300 else math.inf
 
 
 def fit_law(points: Sequence[Point], threshold: float = THRESHOLD, floor: float = FLOOR) -> LawFit:
@@ -122,13 +125,14 @@ class Prediction:
 
     width: int
     lr: float | None
-    """The law's crossing LR (None: the fitted slope there is not positive: no crossing)."""
+    """The law's crossing LR (None: the fitted slope there is not positive: no crossing; inf: beyond
+    any float)."""
     low: float | None
     """5th percentile over parameter draws (draws without a crossing left out)."""
     high: float | None
     """95th percentile."""
     no_crossing: float
-    """Fraction of draws whose slope at this width is not positive."""
+    """Fraction of draws whose slope at this width is not positive (or that cross beyond any float)."""
     extrapolated: bool
     """The width lies outside the fitted widths."""
 
@@ -197,7 +201,7 @@ class Check:
 
 def check(prediction: Prediction, measured: float | None) -> Check:
     """Compare a prediction with the crossing measured at its width."""
-    if prediction.lr is None or measured is None:
+    if prediction.lr is None or not math.isfinite(prediction.lr) or measured is None:
         note = "no crossing measured on the grid" if measured is None else "no crossing predicted"
         return Check(prediction, measured, None, None, [note])
     err = math.log10(prediction.lr / measured)

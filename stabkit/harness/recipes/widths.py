@@ -108,15 +108,16 @@ def refit(report: ScaleReport, predict_widths: Sequence[int] = ()) -> None:
             curve = [(p.lr, p.max_logit) for p in report.points(variant, [width])]
             if curve:
                 entry["measured"][str(width)] = measured_crossing(curve, report.threshold)
+        targets = sorted({*predict_widths, *([report.check_width] if report.check_width else [])})
         try:
             law = fit_law(report.points(variant, report.widths), report.threshold)
-        except ValueError as exc:
+            entry["predictions"] = {str(w): predict(law, w).to_dict() for w in targets}
+            entry["law"] = law.to_dict()
+        except ValueError as exc:  # too few runs in the growth regime: said in the error
             entry["law"] = {"error": str(exc)}
-            report.fits[variant] = entry
-            continue
-        entry["law"] = law.to_dict()
-        targets = sorted({*predict_widths, *([report.check_width] if report.check_width else [])})
-        entry["predictions"] = {str(w): predict(law, w).to_dict() for w in targets}
+        except Exception as exc:  # a degenerate fit must never lose the runs it is computed from
+            entry.pop("predictions", None)
+            entry["law"] = {"error": f"the fit failed ({type(exc).__name__}: {exc})"}
         report.fits[variant] = entry
     base = report.variants[0]
     fit = report.fits.get(base, {})

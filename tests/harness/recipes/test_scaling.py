@@ -102,3 +102,17 @@ def test_the_check_reports_the_error_in_decades() -> None:
     assert pred.lr == pytest.approx(true_crossing(256))
     result = check(pred, measured=pred.lr / 2)
     assert result.error_decades == pytest.approx(math.log10(2))
+
+
+def test_a_slope_near_zero_crosses_beyond_any_float_without_an_error() -> None:
+    # what a qk-normed model's four growing runs gave: the slope is positive but tiny, and
+    # 10 ** (huge exponent) would overflow
+    fit = LawFit(
+        params=[1.0, 1e-6, 0.1, 0.0], covariance=(np.eye(4) * 1e-14).tolist(), residual_std=0.01, points=5,
+        dof=1, widths=[32, 64, 128], threshold=1e4, floor=50.0,
+    )  # fmt: skip
+    assert fit.crossing(256) == math.inf
+    pred = predict(fit, 256)
+    assert pred.lr == math.inf and pred.no_crossing == 1.0 and pred.low is None
+    result = check(pred, measured=0.1)
+    assert result.error_decades is None and result.notes == ["no crossing predicted"]
