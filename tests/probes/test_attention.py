@@ -152,6 +152,16 @@ CASES: dict[str, tuple[Callable[[], nn.Module], Callable[..., QK], float]] = {
         qk_reference_gpt,
         2.0,
     ),
+    "reference-eager-gqa": (
+        lambda: zoo.reference_gpt(positions="rope", n_kv_heads=2, attention="eager"),
+        qk_reference_gpt,
+        2.0,
+    ),
+    "reference-fp32-softmax": (
+        lambda: zoo.reference_gpt(positions="rope", softmax_fp32=True),
+        qk_reference_gpt,
+        2.0,
+    ),
     "nanogpt": (zoo.NanoGPT, qk_nanogpt, 3.0),
     "hf_gpt2-sdpa": (lambda: zoo.hf_gpt2("sdpa"), qk_hf_gpt2, 10.0),
     "hf_gpt2-eager": (lambda: zoo.hf_gpt2("eager"), qk_hf_gpt2, 10.0),

@@ -14,12 +14,14 @@ NormPlacement = Literal["pre", "post", "sandwich"]
 NormKind = Literal["layernorm", "rmsnorm"]
 MLPKind = Literal["gelu", "swiglu"]
 PositionKind = Literal["learned", "rope"]
+AttentionKind = Literal["sdpa", "eager"]
 
 _CHOICES: dict[str, tuple[str, ...]] = {
     "norm_placement": ("pre", "post", "sandwich"),
     "norm": ("layernorm", "rmsnorm"),
     "mlp": ("gelu", "swiglu"),
     "positions": ("learned", "rope"),
+    "attention": ("sdpa", "eager"),
 }
 
 
@@ -59,8 +61,15 @@ class GPTConfig:
     """None: Wortsman init (embeddings 1/√d, other weights 1/√fan_in); a float: N(0, std) everywhere."""
     qk_norm: bool = False
     """Per-head normalisation (same kind as `norm`) of q and k before RoPE and the dot product."""
+    attention: AttentionKind = "sdpa"
+    """sdpa: F.scaled_dot_product_attention (fused; on a CPU it keeps q·kᵀ in fp32 under autocast);
+    eager: (q @ kᵀ)·scale materialised in the autocast dtype, as Hugging Face's eager attention (fp16 can
+    overflow to Inf there). attn_softcap and softmax_fp32 use the eager path whatever this says."""
+    softmax_fp32: bool = False
+    """Eager path with the logits and softmax in float32 (q.float() @ k.float()ᵀ, autocast off), weights
+    cast back to v's dtype: the fp32-softmax fix for low precision (forces the eager path)."""
     attn_softcap: float | None = None
-    """cap·tanh(logits/cap) on attention logits (Gemma 2 uses 50); forces the math attention path."""
+    """cap·tanh(logits/cap) on attention logits (Gemma 2 uses 50); forces the eager attention path."""
     logit_softcap: float | None = None
     """cap·tanh(logits/cap) on the output logits (Gemma 2 uses 30)."""
     tie_embeddings: bool = False

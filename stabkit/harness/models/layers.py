@@ -5,7 +5,7 @@ These run inside the model's forward pass; they are plain modules with no stabki
 
 from __future__ import annotations
 
-import math
+import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +45,11 @@ def softcap(x: torch.Tensor, cap: float) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    """Causal self-attention with separate q/k/v projections, optional GQA, QK-norm, RoPE, soft cap."""
+    """Causal self-attention with separate q/k/v projections, optional GQA, QK-norm, RoPE, soft cap.
+
+    Two paths: fused SDPA (``cfg.attention = "sdpa"``), or eager attention (`eager_attention`:
+    logits materialised, masked, softmaxed) for ``"eager"``, a soft cap or an fp32 softmax.
+    """
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -54,6 +58,8 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.dropout = cfg.dropout
         self.softcap = cfg.attn_softcap
+        self.softmax_fp32 = cfg.softmax_fp32
+        self.eager = cfg.attention == "eager" or cfg.attn_softcap is not None or cfg.softmax_fp32
         self.q_proj = nn.Linear(cfg.d_model, cfg.n_heads * cfg.head_dim, bias=cfg.bias)
         self.k_proj = nn.Linear(cfg.d_model, self.n_kv_heads * cfg.head_dim, bias=cfg.bias)
         self.v_proj = nn.Linear(cfg.d_model, self.n_kv_heads * cfg.head_dim, bias=cfg.bias)
@@ -77,29 +83,50 @@ class Attention(nn.Module):
             cos, sin = self.get_buffer("rope_cos"), self.get_buffer("rope_sin")
             q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         drop = self.dropout if self.training else 0.0
-        if self.softcap is None:
+        if self.eager:
+            y = eager_attention(q, k, v, drop, cap=self.softcap, fp32=self.softmax_fp32)
+        else:
             y = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, dropout_p=drop, enable_gqa=self.n_kv_heads != self.n_heads
             )
-        else:
-            y = self._capped_attention(q, k, v, drop)
         y = y.transpose(1, 2).reshape(bsz, seq, self.n_heads * self.head_dim)  # (B, T, d)
         return self.o_proj(y)
 
-    def _capped_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, drop: float
-    ) -> torch.Tensor:
-        """Math attention path with soft-capped logits (SDPA cannot cap)."""
-        assert self.softcap is not None
-        rep = self.n_heads // self.n_kv_heads
+
+def eager_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    drop: float = 0.0,
+    *,
+    cap: float | None = None,
+    fp32: bool = False,
+) -> torch.Tensor:
+    """Causal attention with the logits materialised: (q @ kᵀ)·scale, [soft cap], mask, softmax, @ v.
+
+    Runs in the attention module's forward. As Hugging Face's eager attention: the product is taken
+    before the scale, in the autocast dtype (fp16 under fp16 autocast, where |q·k| > 65504 is Inf; on
+    a CPU autocast also leaves the softmax in fp16/bf16). `fp32`: logits and softmax in float32 with
+    autocast off, the weights cast back to v's dtype. q (B, H, T, hd); k, v (B, Hkv, T, hd).
+    """
+    rep = q.shape[1] // k.shape[1]
+    if rep > 1:
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)  # (B, H, T, hd)
-        seq = q.shape[-2]
-        logits = (q @ k.transpose(-2, -1)) / math.sqrt(self.head_dim)  # (B, H, T, T)
-        logits = softcap(logits, self.softcap)
+    seq, scale = q.shape[-2], q.shape[-1] ** -0.5
+    off = torch.autocast(q.device.type, enabled=False) if fp32 else contextlib.nullcontext()
+    with off:
+        if fp32:
+            q, k = q.float(), k.float()
+        logits = (q @ k.transpose(-2, -1)) * scale  # (B, H, T, T)
+        if cap is not None:
+            logits = softcap(logits, cap)
         causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
         logits = logits.masked_fill(~causal, float("-inf"))
-        weights = F.dropout(torch.softmax(logits, dim=-1), p=drop, training=drop > 0)
-        return weights @ v
+        weights = torch.softmax(logits, dim=-1)  # (B, H, T, T)
+    if fp32:
+        weights = weights.to(v.dtype)  # v: the autocast dtype, or the parameters' (no autocast)
+    weights = F.dropout(weights, p=drop, training=drop > 0)
+    return weights @ v
 
 
 class MLP(nn.Module):

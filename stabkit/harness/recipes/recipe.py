@@ -25,6 +25,7 @@ from .schema import (
     parse_detect,
     parse_fault,
     parse_model,
+    parse_model_over,
     parse_monitor,
     parse_sweep,
     parse_train,
@@ -49,7 +50,11 @@ SIZE_KEYS = (
     "variants",
     "criteria",
 )
-VARIANT_KEYS = ("role", "description", "interventions", "train", "fault", "detect", "fixed", "mechanism")
+VARIANT_KEYS = (
+    "role", "description", "model", "interventions", "train", "fault", "detect", "fixed", "mechanism",
+)  # fmt: skip
+MODEL_FIXED = ("vocab_size", "context")
+"""[model] keys a variant may not override: every variant trains and is judged on the same data."""
 RESCUE_KEYS = ("role", "description", "detect", "mechanism", "tolerance")
 """Keys of a rescue variant: it trains the baseline's settings (`stabkit.harness.recipes.rescue`)."""
 CRITERIA_KEYS = ("reproduced", "fixed")
@@ -66,6 +71,8 @@ class VariantSpec:
     train: TrainConfig
     """The recipe's training settings with this variant's overrides."""
     description: str = ""
+    model: GPTConfig | None = None
+    """The recipe's [model] with this variant's ``model`` table over it (None: the recipe's as is)."""
     interventions: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Registry name -> options, applied with `stabkit.interventions.apply_many`."""
     fault: bool = True
@@ -114,6 +121,10 @@ class Recipe:
     def baseline(self) -> VariantSpec:
         return next(v for v in self.variants if v.role == "baseline")
 
+    def model_of(self, variant: VariantSpec) -> GPTConfig:
+        """The GPTConfig `variant` trains: its own ``model`` table over the recipe's, else the recipe's."""
+        return variant.model if variant.model is not None else self.model
+
     def variant(self, name: str) -> VariantSpec:
         for v in self.variants:
             if v.name == name:
@@ -159,7 +170,7 @@ def parse_rescue(name: str, raw: Any, baseline: VariantSpec) -> VariantSpec:
     (`stabkit.harness.recipes.rescue.with_rescue`)."""
     where = f"variants.{name}"
     if isinstance(raw, dict):
-        for key in ("interventions", "train", "fault", "fixed"):
+        for key in ("model", "interventions", "train", "fault", "fixed"):
             if key in raw:
                 raise RecipeError(
                     f"{where}.{key}",
@@ -183,6 +194,7 @@ def parse_rescue(name: str, raw: Any, baseline: VariantSpec) -> VariantSpec:
         role="rescue",
         train=baseline.train,
         description=string(t.get("description", ""), f"{where}.description"),
+        model=baseline.model,
         interventions={k: dict(v) for k, v in baseline.interventions.items()},
         fault=baseline.fault,
         detect=with_rescue(detect),
@@ -191,8 +203,10 @@ def parse_rescue(name: str, raw: Any, baseline: VariantSpec) -> VariantSpec:
     )
 
 
-def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig) -> VariantSpec:
-    """One [variants.<name>] table (not a rescue): its train and detect tables over the recipe's."""
+def parse_variant(
+    name: str, raw: Any, train: TrainConfig, detect: DetectConfig, model: GPTConfig
+) -> VariantSpec:
+    """One [variants.<name>] table (not a rescue): its model, train and detect tables over the recipe's."""
     where = f"variants.{name}"
     t = table(raw, where, VARIANT_KEYS)
     role = variant_role(name, t)
@@ -202,6 +216,7 @@ def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig)
         role=role,
         train=parse_train(t.get("train"), f"{where}.train", base=train),
         description=string(t.get("description", ""), f"{where}.description"),
+        model=parse_variant_model(t.get("model"), f"{where}.model", model),
         interventions=parse_interventions(t.get("interventions"), f"{where}.interventions"),
         fault=boolean(t.get("fault", True), f"{where}.fault"),
         detect=parse_detect(t["detect"], f"{where}.detect", base=detect) if "detect" in t else detect,
@@ -210,19 +225,31 @@ def parse_variant(name: str, raw: Any, train: TrainConfig, detect: DetectConfig)
     )
 
 
+def parse_variant_model(raw: Any, where: str, base: GPTConfig) -> GPTConfig | None:
+    """A variant's ``model`` table (GPTConfig fields over the recipe's [model]; not vocab_size or
+    context), or None without one."""
+    if raw is None:
+        return None
+    for key in MODEL_FIXED:
+        if isinstance(raw, dict) and key in raw:
+            raise RecipeError(f"{where}.{key}", "is the same for every variant: set it in [model]")
+    return parse_model_over(raw, where, base)
+
+
 def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") -> Recipe:
     """A Recipe from a TOML document whose ``[sizes.<size>]`` table is already merged in."""
     t = table(doc, "", TOP_KEYS)
     size = choice(size, "size", tuple(PRESETS))
     train = parse_train(t.get("train"), "train", base=train_defaults(size))
     detect = parse_detect(t.get("detect"), "detect")
+    model = parse_model(t.get("model"), size)
     raw_variants = table(t.get("variants"), "variants", tuple(t.get("variants") or ()))
     if not raw_variants:
         raise RecipeError(
             "variants", "at least one [variants.<name>] table is needed (one with role baseline)"
         )
     parsed = {
-        n: parse_variant(n, v, train, detect)
+        n: parse_variant(n, v, train, detect, model)
         for n, v in raw_variants.items()
         if variant_role(n, v) != "rescue"
     }
@@ -248,7 +275,7 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
     recipe = Recipe(
         name=string(t.get("name", name), "name"),
         size=size,
-        model=parse_model(t.get("model"), size),
+        model=model,
         train=train,
         variants=variants,
         reproduced=parse_checks(criteria.get("reproduced", []), "criteria.reproduced"),

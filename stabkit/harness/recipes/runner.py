@@ -204,7 +204,7 @@ def preflight(recipe: Recipe) -> None:
 
     for variant in recipe.variants:
         with torch.device("meta"):
-            model = GPT(recipe.model)
+            model = GPT(recipe.model_of(variant))
         if recipe.fault is not None and recipe.fault.kind in ("nan", "inf"):
             names = {n for n, _ in model.named_modules()}
             if recipe.fault.module not in names:

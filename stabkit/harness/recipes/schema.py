@@ -69,6 +69,11 @@ def parse_model(raw: Any, size: str) -> GPTConfig:
     return _fill(GPTConfig, raw, "model", preset_config(size))
 
 
+def parse_model_over(raw: Any, where: str, base: GPTConfig) -> GPTConfig:
+    """A variant's model table: GPTConfig fields over the recipe's resolved [model]."""
+    return _fill(GPTConfig, raw, where, base)
+
+
 def _fill(cls: type[Any], raw: Any, where: str, base: Any = None, exclude: tuple[str, ...] = ()) -> Any:
     try:
         return fill(cls, raw, where, base, exclude=exclude)

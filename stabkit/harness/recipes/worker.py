@@ -37,7 +37,7 @@ from ...events import InstabilityError
 from ...interventions import Handle
 from ...monitor import Monitor, attach
 from ..data import load_corpus
-from ..models import GPT
+from ..models import GPT, GPTConfig
 from ..training import TrainConfig, make_optimizer, train
 from . import ddp as ddp_mod
 from .depth import depth_sweep
@@ -146,7 +146,7 @@ def measure_depth(
     depth_batch = min(config.batch_size, 16)  # enough for a grad-norm estimate, also at GPU sizes
     clean = load_corpus(recipe.data)
     return depth_sweep(
-        recipe.model, variant.interventions, recipe.depth, clean, depth_batch, config.seed, device
+        recipe.model_of(variant), variant.interventions, recipe.depth, clean, depth_batch, config.seed, device
     )
 
 
@@ -159,7 +159,7 @@ def build(
     if fault is not None and fault.kind == "bad_batch":
         corpus = FaultyCorpus(corpus, fault, config.grad_accum, config.seed)
     train_corpus = corpus if ctx is None else ddp_mod.RankRows.for_rank(corpus, config.batch_size, ctx)
-    model, handle = build_model(recipe, variant.interventions, config.seed, device)
+    model, handle = build_model(recipe.model_of(variant), variant.interventions, config.seed, device)
     clock = StepClock()
     notes = []
     if fault is not None and fault.kind in ("nan", "inf"):
@@ -177,14 +177,14 @@ def build(
 
 
 def build_model(
-    recipe: Recipe, interventions: dict[str, dict[str, Any]], seed: int, device: torch.device
+    config: GPTConfig, interventions: dict[str, dict[str, Any]], seed: int, device: torch.device
 ) -> tuple[nn.Module, Handle | None]:
-    """The recipe's GPT built with `seed` (same weights for every variant), interventions applied
+    """The variant's GPT built with `seed` (same weights for every variant), interventions applied
     (their handle, None without interventions). Build the optimizer afterwards: new gains train."""
     from ...interventions import apply_many
 
     torch.manual_seed(seed)
-    model = GPT(recipe.model)
+    model = GPT(config)
     handle = apply_many(model, {k: dict(v) for k, v in interventions.items()}) if interventions else None
     return model.to(device), handle
 

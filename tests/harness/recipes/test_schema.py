@@ -81,6 +81,16 @@ def test_size_table_overrides_model_and_train(tmp_path: Path) -> None:
     assert gpt2.variant("qk_norm").train.lr == 3e-2
 
 
+def test_a_variant_model_table_goes_over_the_recipe_model(tmp_path: Path) -> None:
+    text = BASE.replace("[variants.qk_norm]", "[variants.qk_norm]\nmodel = { softmax_fp32 = true }")
+    text += '\n[model]\nattention = "eager"\n[variants.rescue]\n'
+    r = load_recipe(write(tmp_path, text), "gpt2")
+    fp32, base = r.model_of(r.variant("qk_norm")), r.model_of(r.baseline)
+    assert (fp32.attention, fp32.softmax_fp32, fp32.d_model) == ("eager", True, 768)  # over [model] and size
+    assert base == r.model and (base.attention, base.softmax_fp32) == ("eager", False)
+    assert r.model_of(r.variant("rescue")) == base  # a rescue trains the baseline's model
+
+
 def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
     r = load_recipe("nan-injection", "tiny", steps=30, seed=5)
     assert r.fault is not None and r.fault.step == 150 * 30 // 300
@@ -127,6 +137,21 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
         (BASE + '\n[fault]\nkind = "nan"\nstep = 40\n', "fault.step", "below train.steps = 40"),
         (BASE + '\n[fault]\nkind = "meteor"\nstep = 4\n', "fault.kind", "nan, inf, bad_batch"),
         (BASE + "\n[detect]\nspike_sigma = -1\n", "detect.spike_sigma", "must be a number > 0"),
+        (
+            BASE.replace("[variants.qk_norm]", '[variants.qk_norm]\nmodel = { attention = "flash" }'),
+            "variants.qk_norm.model.attention",
+            "must be one of sdpa, eager, got 'flash'",
+        ),
+        (
+            BASE.replace("[variants.qk_norm]", "[variants.qk_norm]\nmodel = { context = 32 }"),
+            "variants.qk_norm.model.context",
+            "set it in [model]",
+        ),
+        (
+            BASE + "\n[variants.rescue]\nmodel = { softmax_fp32 = true }\n",
+            "variants.rescue.model",
+            "trains the baseline's settings",
+        ),
     ],
 )
 def test_bad_values_name_the_key_and_what_is_allowed(

@@ -114,11 +114,24 @@ def test_faults_are_caught_and_training_goes_on(tmp_path: Path, recipe: str) -> 
     assert seconds < 300
 
 
-def test_low_precision_is_honest_on_a_cpu(tmp_path: Path) -> None:
+def test_low_precision_reproduces_with_eager_attention(tmp_path: Path) -> None:
     s, text, seconds = stabkit("run", "low-precision", "--jobs", "2", "--out", str(tmp_path / "o"))
     print(text, f"\n{seconds:.0f} s")
     v = s["variants"]
-    reproduced = v["baseline"].get("events/nonfinite", 0) >= 1
-    assert verdicts(s)["baseline"] == ("reproduced" if reproduced else "not reproduced")
-    assert v["qk_norm"]["max_attn_logit"] < 1000
-    assert seconds < 300
+    # measured (seed 0, 60 steps, LR 0.3): the fp16 q·kᵀ overflowed at step 37 in blocks.0.attn; the
+    # fixes trained finite (held-out 3.216 qk_norm, 3.141 attn_softcap, 2.985 fp32_softmax); 217 s
+    base = v["baseline"]
+    assert verdicts(s)["baseline"] == "reproduced" and base["events/nonfinite"] >= 1
+    first = next(e for e in base["event_list"] if e["kind"] == "nonfinite")
+    assert first["where"] == "blocks.0.attn"
+    for fix in ("qk_norm", "attn_softcap", "fp32_softmax"):
+        assert verdicts(s)[fix] == "fixed", fix
+        assert v[fix]["nonfinite_steps"] == 0 and v[fix]["val_loss"] < 4.0
+    assert v["qk_norm"]["max_attn_logit"] < 100
+    assert v["attn_softcap"]["max_attn_logit_capped"] <= 30.0 + 1e-3
+    assert v["fp32_softmax"]["max_attn_logit"] > 65504 / 4  # what fp16 could not have held
+    rescue = v["rescue"]
+    assert rescue["rescue_count"] >= 1 and rescue["rescue_fixes"][0] == "qk_norm"
+    diff = rescue["val_loss"] - v["qk_norm"]["val_loss"]
+    assert verdicts(s)["rescue"] == ("rescued" if diff <= 0.1 else "not rescued")
+    assert seconds < 420  # ~3.5 minutes on 2 shared cores (fp16 is emulated on a CPU)
