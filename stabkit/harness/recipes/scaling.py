@@ -31,6 +31,8 @@ THRESHOLD = 1e4
 FLOOR = 50.0
 """Points below this max logit are not in the growth regime (init level ~5) and are left out."""
 DRAWS = 4000
+MIN_RUNS = 7
+"""Runs in the growth regime a fit needs: 4 parameters and 3 degrees of freedom for the residuals."""
 
 
 @dataclass
@@ -90,12 +92,13 @@ def crossing_lr(params: np.ndarray, width: float, threshold: float) -> float | N
 
 def fit_law(points: Sequence[Point], threshold: float = THRESHOLD, floor: float = FLOOR) -> LawFit:
     """Least squares of the law on the points with ``floor <= max logit`` (finite). Raises
-    ValueError when fewer than 5 such points or fewer than 2 widths remain (4 parameters)."""
+    ValueError when fewer than `MIN_RUNS` such points or fewer than 2 widths remain (4 parameters
+    and at least 3 degrees of freedom left for the residuals, or the interval means nothing)."""
     used = [p for p in points if math.isfinite(p.max_logit) and p.max_logit >= floor and p.lr > 0]
     widths = sorted({p.width for p in used})
-    if len(used) < 5 or len(widths) < 2:
+    if len(used) < MIN_RUNS or len(widths) < 2:
         raise ValueError(
-            f"the law needs at least 5 runs in the growth regime (max logit >= {floor:g}) over at least 2 "
+            f"the law needs at least {MIN_RUNS} runs in the growth regime (max logit >= {floor:g}) over at least 2 "
             f"widths, got {len(used)} over {len(widths)}: widen the LR grid upwards"
         )
     x = np.log10([p.lr for p in used])

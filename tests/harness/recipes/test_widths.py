@@ -53,10 +53,16 @@ def test_refit_predicts_the_check_width_from_the_others_and_measures_the_error()
     assert base["law"]["widths"] == list(WIDTHS)
     assert base["predictions"]["256"]["lr"] == pytest.approx(true_crossing(256), rel=1e-6)
     assert base["predictions"]["4096"]["lr"] == pytest.approx(true_crossing(4096), rel=1e-6)
-    # the d256 grid tops out at 0.3, where the law gives just below 1e4: no crossing measured there
-    assert 10 ** law_log(256, 0.3) < 1e4 and base["measured"]["256"] is None
-    assert report.check is not None and report.check["error_decades"] is None
+    # measured on d256's own grid: between 0.3 (just below 1e4 by the law) and 1.0, in log-log
+    lo, hi = 0.3, 1.0
+    assert 10 ** law_log(256, lo) < 1e4 < 10 ** law_log(256, hi)
+    t = (4 - law_log(256, lo)) / (law_log(256, hi) - law_log(256, lo))
+    measured = 10 ** (math.log10(lo) + t * (math.log10(hi) - math.log10(lo)))
+    assert base["measured"]["256"] == pytest.approx(measured, rel=1e-9)
+    assert report.check is not None
+    assert report.check["error_decades"] == pytest.approx(math.log10(true_crossing(256) / measured), abs=1e-6)
     assert "error" in report.fits["qk_norm"]["law"]  # never grows past the floor: no law, said why
+    assert report.fits["qk_norm"]["measured"]["64"] is None
 
 
 def test_the_check_error_is_measured_where_the_check_width_crosses_on_its_grid() -> None:
@@ -85,7 +91,7 @@ def test_a_short_sweep_runs_resumes_and_plots(tmp_path: Path) -> None:
     ]  # fmt: skip  (the check width trains the baseline only)
     assert report.complete and all(r["status"] == "done" for r in report.runs.values())
     assert all(r["max_attn_logit"] > 0 for r in report.runs.values())
-    assert "at least 5 runs" in report.fits["baseline"]["law"]["error"]  # 2 runs: no law, said why
+    assert "at least 7 runs" in report.fits["baseline"]["law"]["error"]  # 2 runs: no law, said why
     saved = json.loads((tmp_path / "scale.json").read_text())
     assert saved["runs"].keys() == report.runs.keys()
     assert (tmp_path / "d48" / "baseline" / "lr_1e+00").is_dir()
