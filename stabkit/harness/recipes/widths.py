@@ -341,8 +341,11 @@ def plot_crossings(ax: Any, report: ScaleReport) -> None:
                 markersize=12,
                 label=f"measured d{pred['width']}",
             )
+    ticks = sorted({*report.widths, *([report.check_width] if report.check_width else [])})
+    ax.set_xscale("log")
+    ax.set_xticks(ticks, [str(w) for w in ticks])
+    ax.minorticks_off()
     ax.set(
-        xscale="log",
         yscale="log",
         xlabel="width (d_model)",
         ylabel=f"LR where max logit crosses {report.threshold:g}",
