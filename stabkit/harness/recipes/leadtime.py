@@ -6,11 +6,15 @@ with known answers.
 Definitions (per run; steps are 0-based optimizer steps, as the monitor numbers its events):
 
 - **lost**: the first step whose training loss is not finite; else, for a run that ends at or above
-  the bigram level (``val_loss >= bigram_loss``, the CPU proxy's "diverged"), the first point of its
-  held-out curve (``val_curve``: ``[steps done, loss]``) at or after the curve's best point from
-  which every later point is at or above the bigram level: the run got there and never came back.
-  Steps done ``n`` means the loss after step ``n - 1``. A run that ends below the bigram level with
-  finite losses is not lost.
+  the bigram level (``val_loss >= bigram_loss``, the CPU proxy's "diverged"), a point of its
+  held-out curve (``val_curve``: ``[steps done, loss]``; steps done ``n`` means the loss after step
+  ``n - 1``):
+  - a run that once got below the bigram level: the first point after its best from which every
+    later point is at or above it (it climbed back and never came down again);
+  - a run that never got below it: the first point at which its reference run (same seed, a safe
+    setting) was below it — where a healthy run had learned past the bigram model and this one had
+    not; without a reference (or one that never got there either), its best point.
+  A run that ends below the bigram level with finite losses is not lost.
 - **warning**: the first event of a detector (a kind in `DETECTOR_KINDS`; an action's own events,
   e.g. ``rescue``, are not warnings).
 - **lead time**: lost step − warning step. Warned in time when the lead time is ≥ 0 (an event on the
@@ -34,9 +38,10 @@ def detector_kinds() -> frozenset[str]:
     return frozenset(DETECTORS.names())
 
 
-def lost_step(result: dict[str, Any]) -> int | None:
+def lost_step(result: dict[str, Any], reference: dict[str, Any] | None = None) -> int | None:
     """The step at which the run in `result` (a worker's result) was lost, or None (see the module
-    docstring). Needs ``first_nonfinite_step``, ``val_loss``, ``bigram_loss`` and ``val_curve``."""
+    docstring). Needs ``first_nonfinite_step``, ``val_loss``, ``bigram_loss`` and ``val_curve``;
+    `reference` is the same seed's reference run (its ``val_curve``), when the recipe has one."""
     nonfinite = result.get("first_nonfinite_step", math.nan)
     if isinstance(nonfinite, (int, float)) and math.isfinite(nonfinite):
         return int(nonfinite)
@@ -44,16 +49,27 @@ def lost_step(result: dict[str, Any]) -> int | None:
     val = float(result.get("val_loss", math.nan))
     if math.isfinite(val) and not val >= bigram:
         return None
-    curve = [(int(s), float(v)) for s, v in result.get("val_curve") or []]
+    curve = held_out_curve(result)
     if not curve:
         return None
     best = min(range(len(curve)), key=lambda i: curve[i][1] if math.isfinite(curve[i][1]) else math.inf)
-    lost = None
-    for steps_done, value in reversed(curve[best:]):
-        if math.isfinite(value) and value < bigram:
-            break
-        lost = steps_done
-    return None if lost is None else max(0, lost - 1)
+    if any(math.isfinite(v) and v < bigram for _, v in curve):
+        lost = None
+        for steps_done, value in reversed(curve[best:]):
+            if math.isfinite(value) and value < bigram:
+                break
+            lost = steps_done
+        return None if lost is None else max(0, lost - 1)
+    due = next((s for s, v in held_out_curve(reference or {}) if math.isfinite(v) and v < bigram), None)
+    if due is None:
+        return max(0, curve[best][0] - 1)
+    at = next((s for s, _ in curve if s >= due), curve[-1][0])
+    return max(0, at - 1)
+
+
+def held_out_curve(result: dict[str, Any]) -> list[tuple[int, float]]:
+    """``val_curve`` as (steps done, loss) pairs."""
+    return [(int(s), float(v)) for s, v in result.get("val_curve") or []]
 
 
 def first_warning(
@@ -92,9 +108,14 @@ class RunLead:
 
 
 def run_lead(
-    seed: int, result: dict[str, Any], verdict: str = "", kinds: frozenset[str] | None = None
+    seed: int,
+    result: dict[str, Any],
+    verdict: str = "",
+    kinds: frozenset[str] | None = None,
+    reference: dict[str, Any] | None = None,
 ) -> RunLead:
-    """The `RunLead` of one variant's result (its ``event_list``, losses and curve)."""
+    """The `RunLead` of one variant's result (its ``event_list``, losses and curve; `reference`: the
+    same seed's reference run, see `lost_step`)."""
     allowed = detector_kinds() if kinds is None else kinds
     events = [e for e in result.get("event_list") or [] if e.get("kind") in allowed]
     first = first_warning(events, allowed)
@@ -104,7 +125,7 @@ def run_lead(
         seed=seed,
         role=str(result.get("role", "")),
         reproduced=verdict == "reproduced",
-        lost=lost_step(result),
+        lost=lost_step(result, reference),
         warned_at=None if first is None else int(first["step"]),
         warned_by="" if first is None else str(first["kind"]),
         events=count,
@@ -175,11 +196,14 @@ def recipe_runs(summaries: dict[int, dict[str, Any]], kinds: frozenset[str] | No
     out = []
     for seed, summary in sorted(summaries.items()):
         verdicts = summary.get("verdicts", {})
-        for name, result in summary.get("variants", {}).items():
+        variants = summary.get("variants", {})
+        reference = next((r for r in variants.values() if r.get("role") == "reference"), None)
+        for name, result in variants.items():
             if result.get("role") not in ("baseline", "reference"):
                 continue
             verdict = str(verdicts.get(name, {}).get("verdict", ""))
-            out.append(run_lead(seed, result, verdict, kinds))
+            healthy = reference if result.get("role") == "baseline" else None
+            out.append(run_lead(seed, result, verdict, kinds, healthy))
     return out
 
 

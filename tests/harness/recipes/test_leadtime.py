@@ -67,9 +67,13 @@ def test_a_dip_below_the_bigram_level_postpones_the_loss() -> None:
     assert lost_step(result(curve)) == 79
 
 
-def test_a_run_that_never_learns_past_bigram_is_lost_at_its_best_point() -> None:
-    curve = [[0, 5.5], [20, 3.0], [40, 2.6], [60, 2.9]]
-    assert lost_step(result(curve)) == 39
+def test_a_run_that_never_learns_past_bigram_is_lost_where_its_reference_had() -> None:
+    stuck = [[0, 5.5], [20, 3.0], [40, 2.8], [60, 2.75], [80, 2.7], [100, 2.6]]  # still improving
+    healthy = result([[0, 5.5], [20, 2.9], [40, 2.5], [60, 2.3], [80, 2.2], [100, 2.1]])
+    assert lost_step(result(stuck), healthy) == 59  # the reference was below 2.317 after 60 steps
+    assert lost_step(result(stuck)) == 99  # no reference: its best point, the last
+    never = result([[0, 5.5], [50, 2.5], [100, 2.4]])  # a reference that never got there either
+    assert lost_step(result([[0, 5.5], [20, 3.0], [40, 2.6], [60, 2.9]]), never) == 39  # best point
 
 
 def test_a_run_that_ends_below_the_bigram_level_is_not_lost() -> None:
@@ -118,6 +122,7 @@ def test_rows_come_from_recorded_summaries(tmp_path: Path) -> None:
     summary = {
         "variants": {
             "baseline": result(events=[ev("drift", 12)], nonfinite=40),
+            "stuck": {**result([[0, 5.5], [50, 2.9], [100, 2.8]], [ev("spike", 20)]), "role": "baseline"},
             "qk_norm": {**result(), "role": "intervention"},
             "reference": result(role="reference"),
         },
@@ -126,8 +131,10 @@ def test_rows_come_from_recorded_summaries(tmp_path: Path) -> None:
     path = tmp_path / "summary.json"
     path.write_text(json.dumps(summary))
     runs = recipe_runs({0: json.loads(path.read_text())})
-    assert [r.role for r in runs] == ["baseline", "reference"]  # interventions are not timed
+    assert [r.role for r in runs] == ["baseline", "baseline", "reference"]  # interventions: not timed
     assert runs[0].lead == 28 and runs[0].reproduced
+    # never below the bigram level; the reference (5.5 -> 2.2) was after 100 steps: lost on step 99
+    assert runs[1].lost == 99 and runs[1].lead == 79 and not runs[1].reproduced
 
 
 # ---- a real sweep ----------------------------------------------------------------------------
