@@ -100,7 +100,12 @@ def lead_time_command(
     click.echo(format_table(report.rows))
     click.echo("")
     if report.reused:
-        click.echo(f"read back from an earlier sweep: {', '.join(report.reused)}")
+        shown = (
+            ", ".join(report.reused)
+            if len(report.reused) <= 3
+            else f"{len(report.reused)} (recipe, seed) runs"
+        )
+        click.echo(f"read back from an earlier sweep (judged again): {shown}")
     if report.incomplete:
         click.echo("PARTIAL: did not finish: " + ", ".join(report.incomplete))
     click.echo(f"table: {out_dir / TABLE_JSON}; view: tensorboard --logdir {out_dir}")

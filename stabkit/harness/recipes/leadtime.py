@@ -218,9 +218,14 @@ def format_table(rows: Sequence[LeadRow]) -> str:
         median = "–" if r.median_lead is None else f"{r.median_lead:g}"
         worst = "–" if r.worst_lead is None else f"{r.worst_lead}"
         kinds = ", ".join(sorted(set(r.first_kinds))) or "–"
+        alarms = (
+            f"{r.false_alarms} ({r.false_alarm_runs}/{r.reference_runs})"
+            if r.reference_runs
+            else "– (no reference)"
+        )
         lines.append(
             f"| {r.recipe} | {r.reproduced}/{r.seeds} | {r.lost}/{r.seeds} | {r.warned_in_time}/{r.lost} "
             f"| {median} | {worst} | {r.warned_late} / {r.never_warned} "
-            f"| {r.false_alarms} ({r.false_alarm_runs}/{r.reference_runs}) | {kinds} |"
+            f"| {alarms} | {kinds} |"
         )
     return "\n".join(lines)

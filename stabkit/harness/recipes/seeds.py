@@ -3,8 +3,8 @@ with a held-out curve, and the lead-time table (`stabkit.harness.recipes.leadtim
 
 Runs in the CLI's process; each (recipe, seed) is one `run_recipe` (its variants go to the pool) and
 writes ``<out>/<recipe>/seed<k>/summary.json`` as it goes. A (recipe, seed) whose complete summary
-is already there with the same settings is read back instead of trained again, so an interrupted
-sweep resumes where it stopped. The table goes to ``<out>/lead_time.json`` and ``lead_time.md``
+is already there with the same settings is read back (and judged again by the recipe as it is now)
+instead of trained again, so an interrupted sweep resumes where it stopped. The table goes to ``<out>/lead_time.json`` and ``lead_time.md``
 after every (recipe, seed).
 """
 
@@ -21,7 +21,7 @@ from .job import Progress
 from .leadtime import LeadRow, RunLead, format_table, lead_row, recipe_runs
 from .loader import load_recipe
 from .recipe import Recipe
-from .runner import SUMMARY, run_recipe, write_json
+from .runner import SUMMARY, run_recipe, verdicts, write_json
 
 ROLES = ("baseline", "reference")
 """What the table needs: the baseline (reproduces, gets lost, is warned) and the reference runs
@@ -108,7 +108,8 @@ def run_seeds(
             folder = out / recipe.name / f"seed{seed}"
             label = f"{recipe.name} seed {seed}"
             done = reusable(folder / SUMMARY, recipe)
-            if done is not None:
+            if done is not None:  # judged again: the recipe's criteria may have changed since
+                done["verdicts"] = verdicts(recipe, done["variants"])
                 report.reused.append(label)
             else:
                 prefix = f"{recipe.name} s{seed} "

@@ -169,7 +169,11 @@ def test_an_injected_nan_is_lost_and_warned_on_the_fault_step(nan_sweep: tuple[P
 
 def test_a_second_sweep_reads_finished_runs_back(nan_sweep: tuple[Path, Any]) -> None:
     out, first = nan_sweep
-    again = run_seeds(["nan-injection"], [0], out, steps=40)
+    path = out / "nan-injection" / "seed0" / "summary.json"
+    saved = json.loads(path.read_text())
+    saved["verdicts"]["baseline"]["verdict"] = "not reproduced"  # as if judged by older criteria
+    path.write_text(json.dumps(saved))
+    again = run_seeds(["nan-injection"], [0], out, steps=40)  # reads back and judges again
     assert again.reused == ["nan-injection seed 0"]
     assert [r.to_dict() for r in again.rows] == [r.to_dict() for r in first.rows]
 

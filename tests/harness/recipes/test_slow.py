@@ -84,7 +84,7 @@ def test_output_logit_divergence(tmp_path: Path) -> None:
     # mean logit is within ~2 of the reference's, log Z stays 5-8, z-loss does not recover the loss)
     reproduced = (
         base["mean_logit"] < -8.0
-        and base["mean_logit"] - ref["mean_logit"] < -3.0
+        and base["mean_logit"] - ref["mean_logit"] < -10.0
         and base["val_loss"] - ref["val_loss"] > 0.25
     )
     assert verdicts(s)["baseline"] == ("reproduced" if reproduced else "not reproduced")
