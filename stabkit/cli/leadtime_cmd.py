@@ -7,34 +7,15 @@ from pathlib import Path
 
 import click
 
-from ..harness.models.presets import PRESETS
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
-from .run_cmd import resolve_device, resolve_jobs
+from .run_cmd import resolve_device, resolve_jobs, with_options
 
 
 @main.command(name="lead-time")
 @click.argument("recipes", nargs=-1)
 @click.option("--seeds", type=click.IntRange(1, 1000), default=3, show_default=True, help="Seeds 0..N-1.")
-@click.option(
-    "--size", type=click.Choice(list(PRESETS)), default=None, help="Model size preset (default: tiny)."
-)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--steps", type=click.IntRange(1, 10_000_000), default=None, help="Override every recipe's steps."
-)
-@click.option(
-    "--jobs",
-    type=click.IntRange(1, 256),
-    default=None,
-    help="Parallel processes (default: min(2, cores) on CPU, 1 on CUDA).",
-)
-@click.option(
-    "--data",
-    type=click.Path(exists=True, dir_okay=False),
-    default=None,
-    help="Train on this text file instead of the embedded text.",
-)
+@with_options("size", "device", "steps", "jobs", "data")
 @click.option(
     "--out",
     type=click.Path(file_okay=False),

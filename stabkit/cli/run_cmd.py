@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,48 +43,57 @@ def resolve_jobs(jobs: int | None, device: str) -> int:
     return 1 if device == "cuda" else max(1, min(2, os.cpu_count() or 1))
 
 
-def shared_options(fn: click.decorators.FC) -> click.decorators.FC:
-    """Options `run` and `sweep` share."""
-    for opt in reversed(
-        [
-            click.option(
-                "--size",
-                type=click.Choice(list(PRESETS)),
-                default=None,
-                help="Model size preset (default: the recipe's, else tiny).",
-            ),
-            click.option(
-                "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
-            ),
-            click.option(
-                "--steps",
-                type=click.IntRange(1, 10_000_000),
-                default=None,
-                help="Override the recipe's steps (shorter: fault step and warmup scale down; longer: "
-                "they stay).",
-            ),
-            click.option(
-                "--seed",
-                type=click.IntRange(0),
-                default=None,
-                help="Seed of init and data order (default: the recipe's).",
-            ),
-            click.option(
-                "--jobs",
-                type=click.IntRange(1, 256),
-                default=None,
-                help="Parallel processes (default: min(2, cores) on CPU, 1 on CUDA).",
-            ),
-            click.option(
-                "--data",
-                type=click.Path(exists=True, dir_okay=False),
-                default=None,
-                help="Train on this text file instead of the embedded text.",
-            ),
-        ]
-    ):
-        fn = opt(fn)
-    return fn
+SHARED_OPTIONS = {
+    "size": click.option(
+        "--size",
+        type=click.Choice(list(PRESETS)),
+        default=None,
+        help="Model size preset (default: the recipe's, else tiny).",
+    ),
+    "device": click.option(
+        "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
+    ),
+    "steps": click.option(
+        "--steps",
+        type=click.IntRange(1, 10_000_000),
+        default=None,
+        help="Override the recipe's steps (shorter: fault step and warmup scale down; longer: they stay).",
+    ),
+    "seed": click.option(
+        "--seed",
+        type=click.IntRange(0),
+        default=None,
+        help="Seed of init and data order (default: the recipe's).",
+    ),
+    "jobs": click.option(
+        "--jobs",
+        type=click.IntRange(1, 256),
+        default=None,
+        help="Parallel processes (default: min(2, cores) on CPU, 1 on CUDA).",
+    ),
+    "data": click.option(
+        "--data",
+        type=click.Path(exists=True, dir_okay=False),
+        default=None,
+        help="Train on this text file instead of the embedded text.",
+    ),
+}
+"""The options of the commands that train recipes, by name, in the order --help lists them."""
+
+
+def with_options(*names: str) -> Callable[[click.decorators.FC], click.decorators.FC]:
+    """A decorator adding the `SHARED_OPTIONS` named (in their table order)."""
+
+    def add(fn: click.decorators.FC) -> click.decorators.FC:
+        for name in reversed([n for n in SHARED_OPTIONS if n in names]):
+            fn = SHARED_OPTIONS[name](fn)
+        return fn
+
+    return add
+
+
+shared_options = with_options(*SHARED_OPTIONS)
+"""Options `run` and `sweep` share: all of them."""
 
 
 def steps_note(steps: int, original: int) -> str:

@@ -9,10 +9,9 @@ from pathlib import Path
 
 import click
 
-from ..harness.models.presets import PRESETS
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
-from .run_cmd import resolve_device, resolve_jobs
+from .run_cmd import resolve_device, resolve_jobs, with_options
 from .sweep_cmd import parse_lrs
 
 
@@ -65,15 +64,7 @@ def fmt_lr(lr: float | None) -> str:
     show_default=True,
     help="Max attention logit that counts as divergence.",
 )
-@click.option(
-    "--size", type=click.Choice(list(PRESETS)), default=None, help="Model size preset (default: tiny)."
-)
-@click.option("--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
-@click.option(
-    "--steps", type=click.IntRange(1, 10_000_000), default=None, help="Override the recipe's steps."
-)
-@click.option("--seed", type=click.IntRange(0), default=None, help="Seed of init and data order.")
-@click.option("--jobs", type=click.IntRange(1, 256), default=None, help="Parallel processes.")
+@with_options("size", "device", "steps", "seed", "jobs")
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
@@ -106,7 +97,7 @@ def scale_command(
     import torch
 
     from ..harness.recipes import load_recipe, preflight
-    from ..harness.recipes.widths import SCALE, at_width, run_widths, scaled_variants
+    from ..harness.recipes.widths import SCALE, at_width, planned_runs, run_key, run_widths, scaled_variants
 
     fit_widths = parse_widths(widths, "--widths")
     if len(fit_widths) < 2:
@@ -135,13 +126,8 @@ def scale_command(
         f"{', '.join(map(str, fit_widths))}; check d{check_width or '-'}; variants "
         f"{', '.join(v.name for v in swept)}; LRs {', '.join(f'{lr:g}' for lr in grid)}"
     )
-    runs = [
-        f"d{w}/{v.name}/lr_{lr:.0e}"
-        for w in [*fit_widths, *([check_width] if check_width else [])]
-        for v in (swept if w in fit_widths else swept[:1])
-        for lr in grid
-    ]
-    bars = MultiProgress(runs, loaded.train.steps)
+    runs = planned_runs(fit_widths, check_width or None, [v.name for v in swept], grid)
+    bars = MultiProgress([run_key(*run) for run in runs], loaded.train.steps)
     try:
         report = run_widths(
             loaded,

@@ -23,7 +23,17 @@ from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe, VariantSpec
 from .runner import clear_previous_logs, history_checks, write_json
-from .scaling import THRESHOLD, LawFit, Point, check, fit_law, measured_crossing, parameter_draws, predict
+from .scaling import (
+    THRESHOLD,
+    LawFit,
+    Point,
+    Prediction,
+    check,
+    fit_law,
+    measured_crossing,
+    parameter_draws,
+    predict,
+)
 from .signals import SigtermStop
 
 SCALE = "scale.json"
@@ -60,6 +70,18 @@ def run_key(width: int, variant: str, lr: float) -> str:
     return f"d{width}/{variant}/lr_{lr:.0e}"
 
 
+def planned_runs(
+    widths: Sequence[int], check_width: int | None, variants: Sequence[str], lrs: Sequence[float]
+) -> list[tuple[int, str, float]]:
+    """(width, variant, LR) of every run of the sweep, in training order: every variant at the
+    fitted widths, the first (the baseline) only at the check width."""
+    runs: list[tuple[int, str, float]] = []
+    for width in [*widths, *([check_width] if check_width and check_width not in widths else [])]:
+        for variant in variants if width in widths else variants[:1]:
+            runs.extend((width, variant, lr) for lr in lrs)
+    return runs
+
+
 @dataclass
 class ScaleReport:
     """The sweep's runs, the law per variant, predictions, and the check."""
@@ -83,6 +105,11 @@ class ScaleReport:
     seconds: float | None = None
     plot: str | None = None
 
+    @property
+    def all_widths(self) -> list[int]:
+        """The fitted widths, then the check width (when there is one)."""
+        return [*self.widths, *([self.check_width] if self.check_width else [])]
+
     def same_settings(self, other: dict[str, Any]) -> bool:
         keys = ("recipe", "size", "steps", "seed")
         return all(other.get(k) == getattr(self, k) for k in keys)
@@ -104,7 +131,7 @@ def refit(report: ScaleReport, predict_widths: Sequence[int] = ()) -> None:
     report.fits = {}
     for variant in report.variants:
         entry: dict[str, Any] = {"measured": {}}
-        for width in [*report.widths, *([report.check_width] if report.check_width else [])]:
+        for width in report.all_widths:
             curve = [(p.lr, p.max_logit) for p in report.points(variant, [width])]
             if curve:
                 entry["measured"][str(width)] = measured_crossing(curve, report.threshold)
@@ -124,7 +151,7 @@ def refit(report: ScaleReport, predict_widths: Sequence[int] = ()) -> None:
     if report.check_width and "predictions" in fit:
         wide = report.points(base, [report.check_width])
         if wide:
-            pred = predict(LawFit(**fit["law"]), report.check_width)
+            pred = Prediction(**fit["predictions"][str(report.check_width)])
             measured = measured_crossing([(p.lr, p.max_logit) for p in wide], report.threshold)
             report.check = {"variant": base, **check(pred, measured).to_dict()}
 
@@ -161,17 +188,15 @@ def run_widths(
     earlier = read_earlier(out / SCALE, report)
     checks = history_checks(recipe)
     jobs: list[Job] = []
-    for width in [*report.widths, *([check_width] if check_width else [])]:
-        wide = at_width(recipe, width)
-        trained = swept if width in report.widths else swept[:1]  # the check width: baseline only
-        for v in trained:
-            for lr in report.lrs:
-                key = run_key(width, v.name, lr)
-                if key in earlier:
-                    report.runs[key] = earlier[key]
-                    continue
-                logdir = str(out / key)
-                jobs.append(Job(wide, v.name, logdir, device, lr=lr, run=key, history_checks=checks))
+    recipes = {w: at_width(recipe, w) for w in report.all_widths}
+    for width, variant, lr in planned_runs(report.widths, check_width, report.variants, report.lrs):
+        key = run_key(width, variant, lr)
+        if key in earlier:
+            report.runs[key] = earlier[key]
+            continue
+        jobs.append(
+            Job(recipes[width], variant, str(out / key), device, lr=lr, run=key, history_checks=checks)
+        )
     clear_previous_logs(jobs)
     started = time.perf_counter()
 
@@ -181,9 +206,8 @@ def run_widths(
         write_json(out / SCALE, report.to_dict())
 
     def on_result(job: Job, result: dict[str, Any]) -> None:
-        width = int(job.run.split("/")[0][1:])
         report.runs[job.run] = {
-            "width": width,
+            "width": job.recipe.model.d_model,
             "variant": job.variant,
             "lr": job.lr,
             **{k: result.get(k) for k in ("status", "max_attn_logit", "val_loss", "diverged", "logdir")},
@@ -226,7 +250,7 @@ def plot(report: ScaleReport, path: Path) -> str:
     except ImportError:
         return "skipped: matplotlib is not installed (pip install 'stabkit[plot]')"
     fig, (ax, ax_cross) = plt.subplots(1, 2, figsize=(12, 4.5))
-    widths = [*report.widths, *([report.check_width] if report.check_width else [])]
+    widths = report.all_widths
     colors = {w: plt.get_cmap("viridis")(i / max(1, len(widths) - 1)) for i, w in enumerate(widths)}
     grid = np.geomspace(min(report.lrs), max(report.lrs), 50)
     for k, variant in enumerate(report.variants):
@@ -308,7 +332,7 @@ def plot_crossings(ax: Any, report: ScaleReport) -> None:
     law = entry.get("law", {})
     if "params" in law:
         fit = LawFit(**law)
-        top = max([*report.widths, report.check_width or 0]) * 2
+        top = max(report.all_widths) * 2
         span = np.geomspace(min(report.widths) / 1.5, top, 30)
         preds = [predict(fit, int(w), draws=400) for w in span]
         ax.plot(span, [p.lr or math.nan for p in preds], color="C0", label="law")
@@ -341,7 +365,7 @@ def plot_crossings(ax: Any, report: ScaleReport) -> None:
                 markersize=12,
                 label=f"measured d{pred['width']}",
             )
-    ticks = sorted({*report.widths, *([report.check_width] if report.check_width else [])})
+    ticks = sorted(set(report.all_widths))
     ax.set_xscale("log")
     ax.set_xticks(ticks, [str(w) for w in ticks])
     ax.minorticks_off()
