@@ -44,7 +44,7 @@ def lead_time_command(
 
     from ..harness.recipes import list_recipe_files, preflight
     from ..harness.recipes.leadtime import format_table
-    from ..harness.recipes.seeds import TABLE_JSON, run_seeds, seed_recipe
+    from ..harness.recipes.seeds import TABLE_JSON, run_label, run_seeds, seed_recipe
 
     names = list(recipes) or [p.stem for p in list_recipe_files()]
     loaded = [seed_recipe(name, size, 0, steps, data) for name in names]
@@ -61,7 +61,7 @@ def lead_time_command(
         f"lead time over seeds 0..{seeds - 1} [{loaded[0].size}, {dev}, {workers} process(es)]: "
         + ", ".join(f"{r.name} ({r.train.steps} steps)" for r in loaded)
     )
-    names_bars = [f"{r.name} s{s} {v.name}" for r in loaded for s in range(seeds) for v in r.variants]
+    names_bars = [run_label(r.name, s, v.name) for r in loaded for s in range(seeds) for v in r.variants]
     bars = MultiProgress(names_bars, loaded[0].train.steps)
     try:
         report = run_seeds(

@@ -32,6 +32,11 @@ TABLE_JSON = "lead_time.json"
 TABLE_MD = "lead_time.md"
 
 
+def run_label(recipe: str, seed: int, variant: str) -> str:
+    """How progress names one run of the sweep: ``"<recipe> s<seed> <variant>"``."""
+    return f"{recipe} s{seed} {variant}"
+
+
 def seed_recipe(
     name: str, size: str | None, seed: int, steps: int | None = None, data: str | None = None
 ) -> Recipe:
@@ -112,11 +117,10 @@ def run_seeds(
                 done["verdicts"] = verdicts(recipe, done["variants"])
                 report.reused.append(label)
             else:
-                prefix = f"{recipe.name} s{seed} "
 
-                def progress(run: str, *rest: Any, _prefix: str = prefix) -> None:
+                def progress(run: str, *rest: Any, _name: str = recipe.name, _seed: int = seed) -> None:
                     if on_progress is not None:
-                        on_progress(_prefix + run, *rest)
+                        on_progress(run_label(_name, _seed, run), *rest)
 
                 summary = run_recipe(recipe, folder, device=device, workers=workers, on_progress=progress)
                 done = summary.to_dict()
