@@ -30,8 +30,8 @@ from .attach_checks import check_inputs, check_optimizer, forget_compiled_code, 
 from .config import MonitorConfig
 from .detect_config import DetectConfig
 from .detectors.wiring import DetectorSet, Wiring
-from .discovery import ModelMap, inspect_model
-from .discovery.discover import needs_first_forward, traced_map
+from .discovery import DiscoveryError, ModelMap, inspect_model
+from .discovery.discover import logits_only, needs_first_forward, report_gaps, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .hooks import HookSet
@@ -144,17 +144,25 @@ class Monitor:
         return self._model_map
 
     def _discover_on_first_forward(self, module: nn.Module, args: Any, kwargs: Any) -> None:
-        """Forward pre-hook on every module, once, at the first module that runs (the outermost): trace
-        its forward on these inputs (RNG and buffers restored), then finish attaching before the
-        forward itself runs, so this step is monitored too."""
+        """Forward pre-hook on every module, until the model's own forward runs: trace it on these
+        inputs (RNG and buffers restored), then finish attaching before the forward itself runs, so
+        this step is monitored too. A submodule called on its own first (``model.wte(x)`` before
+        ``model(e)``) is not the model's forward: discovery waits. A wrapper whose own forward never
+        runs (a LightningModule calling ``self.model``) is traced at the submodule holding most of
+        the parameters."""
+        if module is not self.model and not _holds_most(module, self.model):
+            return
         for handle in self._pending or []:
             handle.remove()
         self._pending = None
         try:
-            # the outermost module that runs first: trace it on this call's inputs (RNG, buffers restored)
-            traced_map(self.model, (tuple(args), dict(kwargs)), self._pending_paths[id(module)])
+            try:
+                traced_map(self.model, (tuple(args), dict(kwargs)), self._pending_paths[id(module)])
+            except Exception:  # the trace itself failed: `_discover` falls back to names or a minimal map
+                if self.config.strict:
+                    raise
             self._finish_attach(None, None, self._interventions_spec)
-        except BaseException:  # nothing stays attached; the error says what discovery saw
+        except BaseException:  # strict mode (or a user error): nothing stays attached
             self._detached = True
             self.sinks.close()
             lifecycle.unregister(self)
@@ -167,7 +175,7 @@ class Monitor:
         model = self.model
         self.interventions = self._apply_interventions(interventions, model_map, example)
         try:
-            self._model_map = inspect_model(model, model_map, example=example)
+            self._model_map = self._discover(model_map, example)
         except BaseException:
             if self.interventions is not None:
                 self.interventions.remove()
@@ -197,6 +205,23 @@ class Monitor:
         if self.interventions is not None:
             self.sinks.write_text("stabkit/interventions", ", ".join(self.interventions.names))
         self.audit_report = self._run_audit() if cfg.audit else None
+
+    def _discover(self, model_map: ModelMap | dict[str, Any] | None, example: Any) -> ModelMap:
+        """The model's map. Hints the user gave must hold (a bad hint raises); discovery on its own
+        never stops the run: what it cannot find is said once and the rest is monitored (a map with
+        no blocks at worst), unless `MonitorConfig.strict`."""
+        strict = self.config.strict
+        if model_map is not None:
+            return inspect_model(self.model, model_map, example=example)
+        try:
+            return inspect_model(self.model, example=example, strict=strict)
+        except DiscoveryError as exc:
+            if strict:
+                raise
+            mmap = logits_only(self.model, example) or ModelMap(family="none", blocks=[])
+            mmap.gaps = [f"no Transformer roles found ({exc})"]
+            report_gaps(self.model, mmap)
+            return mmap
 
     def install_detectors(self, config: DetectConfig | None = None) -> DetectorSet:
         """Attach detectors and actions (after the probes; `attach` does it from `MonitorConfig.detect`).
@@ -413,6 +438,12 @@ class Monitor:
         if exc is not None and not isinstance(exc, InstabilityError):
             self._local_only()  # InstabilityError comes from an agreed decision: every rank raises it
         self.detach()
+
+
+def _holds_most(module: nn.Module, model: nn.Module) -> bool:
+    """True when `module` holds at least half of `model`'s parameters (the wrapped model of a wrapper)."""
+    total = sum(p.numel() for p in model.parameters())
+    return total > 0 and 2 * sum(p.numel() for p in module.parameters()) >= total
 
 
 def attach(

@@ -51,10 +51,17 @@ class ScopedFunctionMode(TorchFunctionMode):
     Every other function passes straight through. ``handled`` counts the intercepted calls.
     """
 
-    def __init__(self, path: str, functions: Mapping[Callable[..., Any], Handler]) -> None:
+    def __init__(
+        self,
+        path: str,
+        functions: Mapping[Callable[..., Any], Handler],
+        resolve: Callable[[Any], Handler | None] | None = None,
+    ) -> None:
         super().__init__()
         self.path = path
         self.functions = functions
+        self.resolve = resolve
+        """Handler for a function not in `functions` (known attention kernels by op name), or None."""
         self.handled = 0
 
     def __torch_function__(
@@ -66,6 +73,8 @@ class ScopedFunctionMode(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         handler = self.functions.get(func)
+        if handler is None and self.resolve is not None:
+            handler = self.resolve(func)
         if handler is None:
             return func(*args, **kwargs)
         self.handled += 1
@@ -115,6 +124,7 @@ def attach_scope(
     enabled: Callable[[], bool] | None = None,
     hooks: Registrar = DIRECT,
     owner: str = "attention-scope",
+    resolve: Callable[[Any], Handler | None] | None = None,
 ) -> ScopeHandle:
     """While each module at `paths` (``named_modules`` paths in `model`) runs, route the calls of
     `functions` to their handlers. `outer` picks the hook order (see the module docstring).
@@ -122,7 +132,8 @@ def attach_scope(
     `enabled` (optional) is asked in each pre-hook; when it returns False the mode is not pushed
     for that forward (e.g. a probe sampling only some steps). `on_exit` runs after each scoped
     forward with the number of calls handled. `hooks` registers the two hooks per module (a monitor's
-    `HookSet` for probes). Returns a handle that removes the hooks.
+    `HookSet` for probes). `resolve` picks a handler for functions not in `functions` (known attention
+    kernels, by op name: `stabkit.attention.kernels.lookup`). Returns a handle that removes the hooks.
     """
     handles: list[Any] = []
     for path in paths:
@@ -138,7 +149,7 @@ def attach_scope(
             if enabled is not None and not enabled():
                 _stack.append(None)
                 return
-            mode = ScopedFunctionMode(_path, functions)
+            mode = ScopedFunctionMode(_path, functions, resolve)
             mode.__enter__()
             _stack.append(mode)
 

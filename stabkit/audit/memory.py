@@ -130,6 +130,8 @@ def param_kind(ctx: AuditContext, name: str) -> str:
         return "head"
     block = ctx.block(name)
     if block is not None:
+        if block.attention is None:
+            return "mlp" if block.mlp and (name == block.mlp or name.startswith(block.mlp + ".")) else "other"
         att = block.attention.path
         return "attention" if name == att or name.startswith(att + ".") else "mlp"
     return "other"
@@ -137,7 +139,7 @@ def param_kind(ctx: AuditContext, name: str) -> str:
 
 def kv_cache(mmap: ModelMap, bytes_per_element: int, dtype: str, seq_len: int | None) -> KVCache | None:
     """KV cache of the blocks in `mmap`; None when some block lacks kv_heads or head_dim."""
-    atts = [b.attention for b in mmap.blocks]
+    atts = [b.attention for b in mmap.attention_blocks if b.attention is not None]
     if not atts or any(a.n_kv_heads is None or a.head_dim is None or a.n_heads is None for a in atts):
         return None
     per_token = sum(2 * int(a.n_kv_heads or 0) * int(a.head_dim or 0) * bytes_per_element for a in atts)
@@ -163,7 +165,7 @@ def kv_cache(mmap: ModelMap, bytes_per_element: int, dtype: str, seq_len: int | 
 def _kv_dtype(ctx: AuditContext) -> torch.dtype:
     if ctx.kv_dtype is not None:
         return ctx.kv_dtype
-    a = ctx.mmap.blocks[0].attention if ctx.mmap.blocks else None
+    a = ctx.mmap.first_attention
     for path in (a.k, a.qkv) if a else ():
         mod = ctx.modules.get(path or "")
         weight = getattr(mod, "weight", None)

@@ -50,13 +50,11 @@ def group(items: list[tuple[str, dict[str, Any]]]) -> list[tuple[list[str], dict
 
 def head_dim_small(ctx: AuditContext) -> list[Finding]:
     """Attention heads narrower than 32."""
+    firsts = [b.attention for b in ctx.mmap.attention_blocks if b.attention is not None]
     items = [
-        (
-            b.attention.path,
-            {"head_dim": b.attention.head_dim, "n_heads": b.attention.n_heads, "min": MIN_HEAD_DIM},
-        )
-        for b in ctx.mmap.blocks
-        if b.attention.head_dim is not None and b.attention.head_dim < MIN_HEAD_DIM
+        (a.path, {"head_dim": a.head_dim, "n_heads": a.n_heads, "min": MIN_HEAD_DIM})
+        for a in firsts
+        if a.head_dim is not None and a.head_dim < MIN_HEAD_DIM
     ]
     return [
         Finding(
@@ -75,8 +73,7 @@ def heads_not_dividing(ctx: AuditContext) -> list[Finding]:
     """Heads that do not divide d_model, or kv heads that do not divide heads."""
     d = ctx.mmap.d_model
     items = []
-    for b in ctx.mmap.blocks:
-        a = b.attention
+    for a in ctx.mmap.attentions:
         bad_heads = bool(d and a.n_heads and d % a.n_heads)
         bad_kv = bool(a.n_heads and a.n_kv_heads and a.n_heads % a.n_kv_heads)
         if bad_heads or bad_kv:

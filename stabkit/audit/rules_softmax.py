@@ -72,7 +72,8 @@ def attn_softmax_unguarded(ctx: AuditContext) -> list[Finding]:
     if (cfg_cap and _set(cfg_cap[1])) or (cfg_qk and _set(cfg_qk[1])):
         return []
     unguarded: list[str] = []
-    for b in ctx.mmap.blocks:
+    for b in ctx.mmap.attention_blocks:
+        assert b.attention is not None
         path = b.attention.path
         attn = ctx.modules[path]
         if _qk_norm_modules(ctx, path) or _attn_cap(attn) or _set(getattr(attn, "_stabkit_qk_norm", None)):
@@ -80,7 +81,8 @@ def attn_softmax_unguarded(ctx: AuditContext) -> list[Finding]:
         unguarded.append(path)
     if not unguarded:
         return []
-    first = ctx.mmap.blocks[0].attention
+    first = ctx.mmap.first_attention
+    assert first is not None
     return [
         Finding(
             rule="attn_softmax_unguarded",

@@ -16,9 +16,10 @@ from torch import nn
 
 from .examples import as_example, synthesize_example
 from .families import family_of
-from .modelmap import DiscoveryError, ModelMap
+from .modelmap import OPAQUE, DiscoveryError, ModelMap
 from .trace import run_trace
-from .trace_map import logits_from_trace, map_from_trace
+from .trace_logits import logits_from_trace
+from .trace_map import map_from_trace
 
 _TRACE_ATTR = "_stabkit_trace_cache"
 
@@ -101,10 +102,39 @@ def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
     module = model.get_submodule(prefix) if prefix else model
     args, kwargs = as_example(example)
     mmap = map_from_trace(module, run_trace(module, args, kwargs)).under(prefix)
+    if mmap.found.get("attention") == "none":
+        mmap = _names_for_opaque(model, mmap)
     _complete(model, mmap)
     _warn_unmonitored(mmap)
     _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
     return mmap
+
+
+def _names_for_opaque(model: nn.Module, traced: ModelMap) -> ModelMap:
+    """The traced forward made no attention call stabkit can read: module names may still tell the
+    blocks, attention modules, MLPs and norm placement (their impl is opaque: the trace saw no call);
+    the logits stay the traced ones. Without a match by names, the traced repeated units stand."""
+    from .inspect_model import _by_names
+
+    try:
+        named = _by_names(model, {})
+    except DiscoveryError:
+        return traced
+    for a in named.attentions:
+        a.impl, a.qk_note = OPAQUE, "its forward made no attention call stabkit can read"
+    if traced.logits is not None:
+        named.logits, named.output_head, named.vocab_size = (
+            traced.logits,
+            traced.output_head,
+            traced.vocab_size,
+        )
+        named.final_norm = traced.final_norm
+    named.gaps, named.notes = (
+        traced.gaps,
+        [*traced.notes, *named.notes, "blocks and attention modules from names"],
+    )
+    named.found = {"blocks": "named", "attention": "named", "placement": "named", "logits": "traced"}
+    return named
 
 
 def _wrapped(model: nn.Module) -> ModelMap | None:
@@ -127,7 +157,8 @@ def _complete(model: nn.Module, mmap: ModelMap) -> None:
     """Label the family and fill what only names tell (embeddings, d_model) into a traced map."""
     first = model.get_submodule(mmap.blocks[0].path) if mmap.blocks else model
     family = family_of(first)
-    mmap.family = family if family != "fallback" else "traced"
+    if mmap.found.get("blocks") != "named":  # a map by names keeps the family its names gave
+        mmap.family = family if family != "fallback" else "traced"
     mmap.embeddings = [
         n for n, m in model.named_modules() if isinstance(m, nn.Embedding) and mmap.block_of(n) is None
     ]
@@ -135,8 +166,8 @@ def _complete(model: nn.Module, mmap: ModelMap) -> None:
         mmap.d_model = getattr(model.get_submodule(mmap.embeddings[0]), "embedding_dim", None)
         mmap.found["embeddings"] = "named"
     if mmap.d_model is None and mmap.blocks:
-        a = mmap.blocks[0].attention
-        if a.n_heads and a.head_dim:
+        a = mmap.first_attention
+        if a is not None and a.n_heads and a.head_dim:
             mmap.d_model = a.n_heads * a.head_dim
     if mmap.output_head is None and mmap.logits is None:
         mmap.notes.append(
@@ -145,12 +176,37 @@ def _complete(model: nn.Module, mmap: ModelMap) -> None:
 
 
 def _warn_unmonitored(mmap: ModelMap) -> None:
-    """Warn once about call sites whose q/k rows are unknown (interventions that need them refuse)."""
+    """Note call sites whose q/k rows are unknown (interventions that need them refuse)."""
     missing = [f"{a.path or '<root>'}: {a.qk_note}" for a in mmap.attentions if a.qk_note and not a.qk_norm]
     if missing:
         mmap.notes.extend(f"q/k rows unknown at {m}" for m in missing)
-    if any(a.impl == "unknown" for a in mmap.attentions):
-        warnings.warn("stabkit: some attention calls cannot be monitored", RuntimeWarning, stacklevel=4)
+
+
+_SAID: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
+
+
+def report_gaps(model: nn.Module, mmap: ModelMap, strict: bool = False) -> None:
+    """Say what discovery could not find — once per model while it is unchanged — as one warning;
+    with `strict`, raise DiscoveryError instead. Runs at attach (and `inspect_model`), never per step."""
+    if not mmap.gaps:
+        return
+    text = (
+        "stabkit: "
+        + " ".join(mmap.gaps)
+        + ". Everything else is monitored (MonitorConfig(strict=True) raises instead)"
+    )
+    if strict:
+        raise DiscoveryError(
+            text.replace(
+                "Everything else is monitored (MonitorConfig(strict=True) raises instead)",
+                "strict mode: stopping",
+            )
+        )
+    key = _signature(model)
+    if _SAID.get(model) == key:
+        return
+    _SAID[model] = key
+    warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
 def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:

@@ -45,6 +45,7 @@ def inspect_model(
     *,
     example: Any = None,
     trace: bool = True,
+    strict: bool = False,
 ) -> ModelMap:
     """Find blocks, every attention call site (self and cross; q/k/v or fused qkv, the rows of q and
     k per head, heads, kv heads, head_dim), MLP, norms and their placement, the final norm, the
@@ -58,8 +59,10 @@ def inspect_model(
     returned) or a dict of hints (keys: ``blocks`` glob or list of block paths;
     ``attention``/``mlp`` relative to a block; ``q``/``k``/``v``/``qkv``/``out`` relative to the
     attention; ``n_heads``/``n_kv_heads``/``head_dim``; ``final_norm``/``output_head`` absolute
-    paths; ``placement``). Raises DiscoveryError, naming the role and what was seen, when no
-    attention can be located.
+    paths; ``placement``). What a traced forward cannot find (attention computed in a kernel stabkit
+    does not know, say) is listed in `ModelMap.gaps` and said once as a warning — the rest of the map
+    stands; with `strict` a gap raises DiscoveryError. Without a trace, raises DiscoveryError, naming
+    the role and what was seen, when no attention can be located by names.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(
@@ -74,9 +77,11 @@ def inspect_model(
     if unknown:
         raise ValueError(f"unknown override key(s) {unknown}; allowed: {list(OVERRIDE_KEYS)}")
     if not hints and trace:
-        from .discover import traced_or_named
+        from .discover import report_gaps, traced_or_named
 
-        return traced_or_named(model, example, _by_names)
+        mmap = traced_or_named(model, example, _by_names)
+        report_gaps(model, mmap, strict)
+        return mmap
     mmap = _by_names(model, hints)
     mmap.found = {k: ("hint" if k in hints else "named") for k in ("blocks", "attention", "placement")}
     return mmap
@@ -210,8 +215,8 @@ def _outer_roles(model: nn.Module, mmap: ModelMap, hints: dict[str, Any]) -> Non
         emb = model.get_submodule(mmap.embeddings[0])
         mmap.d_model = getattr(emb, "embedding_dim", None)
     if mmap.d_model is None and mmap.blocks:
-        a = mmap.blocks[0].attention
-        if a.n_heads and a.head_dim:
+        a = mmap.first_attention
+        if a is not None and a.n_heads and a.head_dim:
             mmap.d_model = a.n_heads * a.head_dim
     if mmap.output_head:
         mmap.vocab_size = out_features(model.get_submodule(mmap.output_head))
@@ -233,8 +238,9 @@ def _check_paths(model: nn.Module, mmap: ModelMap) -> None:
     names = {n for n, _ in model.named_modules()} | {n for n, _ in model.named_parameters()}
     wanted = [mmap.final_norm, mmap.output_head, *mmap.embeddings]
     for b in mmap.blocks:
-        a = b.attention
-        wanted += [b.path, b.mlp, a.path, a.q, a.k, a.v, a.qkv, a.out]
+        wanted += [b.path, b.mlp]
+        for a in b.attentions:
+            wanted += [a.path, a.q, a.k, a.v, a.qkv, a.out]
     missing = sorted({w for w in wanted if w and w not in names})
     if missing:
         raise DiscoveryError(f"the given ModelMap names paths that are not in the model: {missing}")

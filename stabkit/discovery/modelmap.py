@@ -17,7 +17,13 @@ x + norm_out(f(norm_in(x))); 'output' x + norm_out(f(x)) (OLMo 2); 'unknown'."""
 
 
 class DiscoveryError(ValueError):
-    """Raised when a model's Transformer structure cannot be found."""
+    """Raised when a model's Transformer structure cannot be found (only where an answer is needed:
+    `inspect_model` by names, strict mode, an intervention that needs the role)."""
+
+
+OPAQUE = "opaque"
+"""`AttentionMap.impl` of an attention module whose traced forward made no call stabkit can read
+(an unregistered custom kernel): not watched by the attention probe."""
 
 
 @dataclass
@@ -45,7 +51,9 @@ class AttentionMap:
     head_dim: int | None = None
     """Width of one head."""
     impl: str = "unknown"
-    """How it computes attention: 'sdpa', 'eager', 'torch_mha', 'hf:<attn_implementation>' or 'unknown'."""
+    """How it computes attention: 'sdpa', 'eager', 'torch_mha', 'kernel:<name>' (flash-attn,
+    FlexAttention, ...: `stabkit.attention.kernels`), 'hf:<attn_implementation>', 'opaque' (traced:
+    no call stabkit can read) or 'unknown' (named, not traced)."""
     cross: bool = False
     """True for cross-attention (keys from another sequence, e.g. the encoder output)."""
     q_columns: list[list[int]] | None = None
@@ -61,6 +69,10 @@ class AttentionMap:
     output: str | None = None
     """Module whose output is the attention sub-layer's output before the residual add, when that is
     not the attention module itself (Bloom adds the residual inside it: its output projection)."""
+    softmax_shift: bool = False
+    """Eager: the softmax input is the logits minus their row max (read unshifted by the probe)."""
+    sink_columns: int = 0
+    """Eager: the softmax input ends with this many learned sink columns per row (GPT-OSS)."""
 
     @property
     def layout(self) -> str:
@@ -91,7 +103,9 @@ class BlockMap:
 
     index: int
     path: str
-    attention: AttentionMap
+    attention: AttentionMap | None
+    """The block's (first) attention call site; None for a block without attention (a Mamba,
+    linear-attention or convolution layer of a hybrid model)."""
     mlp: str | None = None
     """Module whose output is the MLP sub-layer's output."""
     norms: list[NormMap] = field(default_factory=list)
@@ -101,9 +115,11 @@ class BlockMap:
     """Every attention call site in the block (self first, then cross); `attention` is the first."""
     parallel: bool = False
     """Parallel residual: the MLP reads the block input, not the attention's output (GPT-J, Cohere)."""
+    mixer: str | None = None
+    """A block without attention: its token-mixing module (Mamba, linear attention, convolution), if named."""
 
     def __post_init__(self) -> None:
-        if not self.attentions:
+        if not self.attentions and self.attention is not None:
             self.attentions = [self.attention]
 
 
@@ -163,6 +179,8 @@ class ModelMap:
     """Where the final logits are (None: the model returns no logits, e.g. a bare encoder)."""
     found: dict[str, str] = field(default_factory=dict)
     """Role -> how it was found ('traced', 'named', 'hint')."""
+    gaps: list[str] = field(default_factory=list)
+    """What discovery could not find, each with how to supply it (said once at attach; strict raises)."""
 
     @property
     def block_paths(self) -> list[str]:
@@ -178,6 +196,17 @@ class ModelMap:
     def attentions(self) -> list[AttentionMap]:
         """Every attention call site, in block order."""
         return [a for b in self.blocks for a in b.attentions]
+
+    @property
+    def attention_blocks(self) -> list[BlockMap]:
+        """The blocks that attend (a hybrid model also has blocks without attention)."""
+        return [b for b in self.blocks if b.attention is not None]
+
+    @property
+    def first_attention(self) -> AttentionMap | None:
+        """The first block's attention (the model's typical one), or None when no block attends."""
+        blocks = self.attention_blocks
+        return blocks[0].attention if blocks else None
 
     def block_of(self, path: str) -> str | None:
         """The path of the block that contains `path` (a module or parameter name), if any."""
@@ -199,6 +228,8 @@ class ModelMap:
         for b in self.blocks:
             parallel = ", parallel residual" if b.parallel else ""
             lines.append(f"block {b.index}: {b.path}  [{b.placement}-norm{parallel}]")
+            if b.attention is None:
+                lines.append(f"  no attention (token mixer: {b.mixer or 'unknown'})")
             for a in b.attentions:
                 if a.qkv:
                     proj = f"qkv={a.qkv} ({a.qkv_layout})"
@@ -220,6 +251,7 @@ class ModelMap:
             key = f" [{self.logits.key!r}]" if self.logits.key is not None else ""
             lines.append(f"logits: {where}{key} ({self.logits.found})")
         lines.extend(f"note: {n}" for n in self.notes)
+        lines.extend(f"gap: {g}" for g in self.gaps)
         return "\n".join(lines)
 
     def under(self, prefix: str) -> ModelMap:
@@ -232,7 +264,9 @@ class ModelMap:
                 return None
             return f"{prefix}.{path}" if path else prefix
 
-        def attn(a: AttentionMap) -> AttentionMap:
+        def attn(a: AttentionMap | None) -> AttentionMap | None:
+            if a is None:
+                return None
             return replace(
                 a,
                 path=j(a.path) or prefix,
@@ -247,14 +281,15 @@ class ModelMap:
 
         blocks = []
         for b in self.blocks:
-            attns = [attn(a) for a in b.attentions]
+            attns = [a for a in (attn(x) for x in b.attentions) if a is not None]
             blocks.append(
                 replace(
                     b,
                     path=j(b.path) or prefix,
-                    attention=attns[0],
+                    attention=attns[0] if attns else None,
                     attentions=attns,
                     mlp=j(b.mlp),
+                    mixer=j(b.mixer),
                     norms=[replace(n, path=j(n.path) or prefix) for n in b.norms],
                 )
             )

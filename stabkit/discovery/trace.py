@@ -12,9 +12,14 @@ the stack of running modules. What it records:
   e.g. ``wte.weight.T``). Its output is handed back to the model as a fresh autograd leaf (same
   values), so the graph from one projection to whatever it feeds is short and can be differentiated
   even for frozen models or under ``no_grad``;
-- *attention calls*: ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``, and a
-  softmax over the last dim of a 4-d tensor computed from a product of two activations (eager
-  ``softmax(q kᵀ · scale + mask)``), each with the running module stack and its q and k.
+- *attention calls*: ``F.scaled_dot_product_attention``, ``F.multi_head_attention_forward``, the
+  calls of known attention kernels (`stabkit.attention.kernels`: flash-attn, FlexAttention, xformers,
+  Transformer Engine, registered ones; q and k in (B, H, L, E) views), and a softmax over the last
+  dim of a 4-d tensor computed from a product of two activations (eager ``softmax(q kᵀ · scale +
+  mask)``, also when the model subtracts the row max or appends sink columns first), each with the
+  running module stack and its q and k;
+- *opaque ops*: other non-aten torch ops taking two or more (…, ≥ 3-d) float tensors — the custom
+  kernels a model may compute attention in — so that a gap can be named.
 
 The traced forward must leave the model as it was: `run_trace` restores the RNG streams and every
 buffer afterwards, and the values the model computes are the same as without the trace.
@@ -33,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
+from ..attention import kernels
 from ..attention.scope import SDPA, SOFTMAXES
 
 _LINEAR: dict[Callable[..., Any], str] = {
@@ -51,6 +57,15 @@ _LINEAR: dict[Callable[..., Any], str] = {
     torch.einsum: "einsum",
 }
 _RMATMUL = torch.Tensor.__rmatmul__
+_MIXING = {
+    F.conv1d,
+    F.conv2d,
+    torch.conv1d,
+    torch.cumsum,
+    torch.Tensor.cumsum,
+    torch.cumprod,
+    torch.Tensor.cumprod,
+}
 
 
 _TRACING = [0]
@@ -106,6 +121,12 @@ class AttentionCall:
     query_input: int | None = None
     """torch_mha only: ids of the query and key arguments."""
     key_input: int | None = None
+    shifted: bool = False
+    """eager only: the softmax input is the logits minus their row max."""
+    sink_columns: int = 0
+    """eager only: columns the softmax input has beyond the keys (learned sinks)."""
+    note: str = ""
+    """kernel calls whose q and k could not be read: why."""
 
     @property
     def scope(self) -> str:
@@ -148,6 +169,11 @@ class Trace:
     """Tensor id -> shape."""
     keep: list[Any] = field(default_factory=list)
     """Strong references to every tensor seen, so no id is reused while the trace lives."""
+    mixing: list[int] = field(default_factory=list)
+    """Op indices of token-mixing ops (a product of two activations, a convolution, a cumulative
+    sum): how a layer without attention (Mamba, linear attention, a convolution) is told from an MLP."""
+    opaque_ops: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    """(op name, module stack) of custom ops that may be attention kernels stabkit does not know."""
     device_type: str = "cpu"
 
     def ancestors(self, node: int, since: int = 0, blocked: frozenset[int] = frozenset()) -> set[int]:
@@ -233,7 +259,15 @@ class _Recorder(TorchFunctionMode):
             call = AttentionCall(index, "torch_mha", tuple(self.stack), None, None, None, id(query), id(key))
         elif func in SOFTMAXES:
             call = self._eager_call(index, args, kwargs)
+        else:
+            kernel = kernels.lookup(func)
+            if kernel is not None:
+                call = self._kernel_call(index, kernel, func, args, kwargs)
+            elif kernels.is_op(func):
+                self._note_opaque(func, inputs)
         out = func(*args, **kwargs)
+        if func in _MIXING:
+            t.mixing.append(index)
         out = self._projection(func, index, args, kwargs, out)
         outputs = list(_tensors(out))
         in_ids = {id(x) for x in inputs}
@@ -287,6 +321,7 @@ class _Recorder(TorchFunctionMode):
         a_param, b_param = id(a) in self.param_like, id(b) in self.param_like
         if a_param == b_param:
             if not a_param and out.dim() >= 3:
+                self.trace.mixing.append(index)
                 self._record_product(kind, args, a, b, out)
             return out
         act, weight = (b, a) if a_param else (a, b)
@@ -308,6 +343,36 @@ class _Recorder(TorchFunctionMode):
             seen.add(n)
             todo.extend(p for p in self.trace.parents.get(n, ()) if p not in seen)
         return "?"
+
+    # ------------------------------------------------------------ kernels
+    def _kernel_call(
+        self, index: int, kernel: kernels.Kernel, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> AttentionCall:
+        try:
+            qk = kernels.read_call(kernel, func, args, kwargs)
+        except Exception as exc:  # a call the reader refuses: the site is known, its q/k are not
+            call = AttentionCall(index, f"kernel:{kernel.name}", tuple(self.stack), None, None, None)
+            call.note = f"{kernel.library} call not readable: {exc}"
+            return call
+        inputs = [x for a in (*args, *kwargs.values()) for x in _tensors(a)]
+        q, k = self._view_of(qk.q, inputs), self._view_of(qk.k, inputs)
+        return AttentionCall(index, f"kernel:{kernel.name}", tuple(self.stack), q, k, None)
+
+    def _view_of(self, view: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
+        """Enter a reader's view (e.g. (B, L, H, D) -> (B, H, L, D)) into the data-flow graph as
+        derived from the call argument it views."""
+        if id(view) in self.trace.created:
+            return view
+        ptr = view.untyped_storage().data_ptr()
+        source = next((x for x in inputs if x.untyped_storage().data_ptr() == ptr), None)
+        return self._derived(view, source) if source is not None else view
+
+    def _note_opaque(self, func: Any, inputs: list[torch.Tensor]) -> None:
+        name = kernels.op_name(func) or str(func)
+        if name.split("::")[0] in ("aten", "prims", "profiler", "_c10d_functional", "c10d", "inductor"):
+            return
+        if sum(1 for x in inputs if x.is_floating_point() and x.dim() >= 3) >= 2:
+            self.trace.opaque_ops.append((name, tuple(self.stack)))
 
     # ------------------------------------------------------------ eager attention
     def _record_product(self, kind: str, args: tuple[Any, ...], a: Any, b: Any, out: torch.Tensor) -> None:
@@ -371,7 +436,21 @@ class _Recorder(TorchFunctionMode):
             k = self._derived(k.reshape(b, h, *k.shape[-2:]), k)
         if q.dim() != 4 or k.dim() != 4:
             return None
-        return AttentionCall(index, "eager", stack, q, k, None)
+        call = AttentionCall(index, "eager", stack, q, k, None)
+        call.shifted = self._row_max_shifted(x)
+        call.sink_columns = max(0, int(x.shape[-1]) - int(k.shape[-2]))
+        return call
+
+    def _row_max_shifted(self, x: torch.Tensor) -> bool:
+        """True when `x` was made as ``y - max(y, -1, keepdim=True)`` (a stable softmax done by hand)."""
+        t = self.trace
+        if t.op_name.get(id(x)) not in ("sub", "__sub__"):
+            return False
+        parents = t.parents.get(id(x), set())
+        return any(
+            t.op_name.get(p) in ("max", "amax") and bool((parents - {p}) & t.parents.get(p, set()))
+            for p in parents
+        )
 
 
 @contextmanager
@@ -444,6 +523,7 @@ def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     stack: list[str] = []
     recorder = _Recorder(trace, params, stack)
     with (
+        kernels.install(),
         _tracing(),
         _model_unchanged(model),
         torch.inference_mode(False),

@@ -7,19 +7,19 @@ value projection) and to label the family.
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from collections.abc import Iterable
-from typing import Any
 
 from torch import nn
 
 from .families import family_of
 from .families import mlp_path as mlp_path_by_name
-from .modelmap import AttentionMap, BlockMap, DiscoveryError, LogitsMap, ModelMap, NormMap
+from .modelmap import AttentionMap, BlockMap, ModelMap, NormMap
 from .roles import OUT_NAMES, V_NAMES, child, is_norm, map_attention, norm_kind
 from .trace import AttentionCall, ModuleCall, Projection, Trace, is_add
 from .trace_heads import HeadSource, head_source
+from .trace_logits import find_final_logits
+from .trace_units import gaps, other_blocks, repeated_units
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _PRE = NormMap("", "", "", "pre")
@@ -126,8 +126,12 @@ class _Builder:
             amap.cross = call.query_input != call.key_input
             amap.found = "traced"
             return amap
+        if call.q is None or call.k is None:  # a kernel call whose arguments could not be read
+            amap = map_attention(self.model, scope, call.kind)
+            amap.found, amap.qk_note = "traced", call.note
+            return amap
         amap = AttentionMap(path=scope, impl=call.kind, found="traced")
-        assert call.q is not None and call.k is not None
+        amap.softmax_shift, amap.sink_columns = call.shifted, call.sink_columns
         amap.n_heads, amap.head_dim = int(call.q.shape[1]), int(call.q.shape[-1])
         amap.n_kv_heads = int(call.k.shape[1])
         q_src, k_src = self.source(call, "q"), self.source(call, "k")
@@ -257,9 +261,13 @@ class _Builder:
         norms = sorted(taken.values(), key=lambda nm: order.get(nm.path, 0))
         return norms, _placement([positions[name] for name, *_ in subs])
 
-    def residual_between(self, source: int | None, target: int | None, since: int) -> bool:
+    def residual_between(
+        self, source: int | None, target: int | None, since: int, before: int | None = None
+    ) -> bool:
         """True when the way from `source` to `target` passes an add whose other operand is not
-        computed from `source` and has the sum's shape (a residual connection)."""
+        computed from `source` and has the sum's shape (a residual connection); with `before`, that
+        operand must also come from outside (made before op `before`): a MoE adding its routed and
+        shared experts' outputs is no residual."""
         t = self.trace
         if source is None or target is None:
             return False
@@ -271,7 +279,9 @@ class _Builder:
             ):
                 continue
             for p in t.parents.get(node, ()):
-                if source not in t.ancestors(p, since) and t.shapes.get(p) == t.shapes.get(node):
+                if source in t.ancestors(p, since) or t.shapes.get(p) != t.shapes.get(node):
+                    continue
+                if before is None or t.created.get(p, -1) < before:
                     return True
         return False
 
@@ -319,36 +329,19 @@ def _layout(q_cols: list[list[int]], k_cols: list[list[int]]) -> str:
     return "traced"
 
 
-def _find_logits(output: Any) -> tuple[Any, str | int | None]:
-    """The logits tensor in a model output and how to take it: (tensor, key)."""
-    import torch
-
-    if isinstance(output, torch.Tensor):
-        return output, None
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits, "logits"
-    if isinstance(output, dict) and isinstance(output.get("logits"), torch.Tensor):
-        return output["logits"], "logits"
-    if isinstance(output, tuple | list):
-        for i, v in enumerate(output):
-            if isinstance(v, torch.Tensor) and v.is_floating_point() and v.dim() >= 2:
-                return v, i
-    return None, None
-
-
 def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
     """Turn a trace into a ModelMap (see the module docstring). Raises DiscoveryError when the traced
     forward made no attention call stabkit recognises."""
     b = _Builder(model, trace)
     if not trace.calls:
-        kinds = sorted({type(b.modules[m.path]).__name__ for m in trace.modules if m.path})[:12]
-        raise DiscoveryError(
-            f"traced one forward of {type(model).__name__}: no attention call was seen "
-            "(F.scaled_dot_product_attention, a softmax over q·kᵀ, or nn.MultiheadAttention); "
-            f"modules that ran: {', '.join(kinds) or 'none'}. If this model computes attention in a "
-            "custom kernel, stabkit cannot see its logits; pass model_map= hints to monitor the rest"
-        )
+        units = repeated_units(b)
+        for index, bm in enumerate(units):
+            bm.index = index
+        mmap = ModelMap(family="traced", blocks=units)
+        mmap.found = {"blocks": "repeated units" if units else "none", "attention": "none"}
+        find_final_logits(b, mmap)
+        mmap.gaps = gaps(b, mmap)
+        return mmap
     scopes = {c.scope for c in trace.calls}
     first_choice = {sc: block_of_scope(sc, scopes, b.modules) for sc in scopes}
     common = Counter(type(b.modules[p]) for p in first_choice.values()).most_common(1)[0][0]
@@ -359,56 +352,16 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
         block = same[0] if same else first_choice[call.scope]
         by_block.setdefault(block, []).append(call)
     blocks: list[BlockMap] = [_block(b, 0, path, calls) for path, calls in by_block.items()]
-    blocks += _silent_blocks(b, blocks)
+    blocks += other_blocks(b, blocks)
     first_run = {m.path: i for i, m in reversed(list(enumerate(trace.modules)))}
     blocks.sort(key=lambda bm: first_run.get(bm.path, len(trace.modules)))
     for index, bm in enumerate(blocks):
         bm.index = index
     mmap = ModelMap(family="traced", blocks=blocks)
     mmap.found = {"blocks": "traced", "attention": "traced", "heads": "traced", "placement": "traced"}
-    _logits(b, mmap)
+    find_final_logits(b, mmap)
+    mmap.gaps = gaps(b, mmap)
     return mmap
-
-
-def _silent_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
-    """Repeated units that ran but made no attention call stabkit can see (a custom kernel, hand-rolled
-    normalisation): mapped by names so the attention probe watches them and says so, and a warning
-    lists them — never a silent partial map."""
-    known = {bm.path for bm in blocks}
-    ran = {m.path for m in b.trace.modules}
-    out: list[BlockMap] = []
-    for bm in blocks:
-        parent = _parent(bm.path)
-        if not bm.path or not isinstance(b.modules[parent], CONTAINERS):
-            continue
-        rel = bm.attention.path[len(bm.path) + 1 :] if bm.attention.path != bm.path else ""
-        for name, sibling in b.modules[parent].named_children():
-            path = f"{parent}.{name}" if parent else name
-            if path in known or path not in ran or type(sibling) is not type(b.modules[bm.path]):
-                continue
-            if any(_under(k, path) or _under(path, k) for k in known) or any(
-                _under(c.scope, path) for c in b.trace.calls
-            ):
-                continue
-            attn_path = f"{path}.{rel}" if rel else path
-            if attn_path not in b.modules or type(b.modules[attn_path]) is not type(
-                b.modules[bm.attention.path]
-            ):
-                continue  # same wrapper class, other content (an interleaved list's MLP entry)
-            known.add(path)
-            amap = map_attention(b.model, attn_path)
-            amap.impl, amap.found = "unknown", "named"
-            amap.qk_note = "its forward made no attention call stabkit recognises"
-            out.append(BlockMap(index=0, path=path, attention=amap, placement=bm.placement, norms=[]))
-    if out:
-        warnings.warn(
-            "stabkit: these blocks ran without an attention call stabkit can see (not "
-            "F.scaled_dot_product_attention, a softmax over q·kᵀ, or nn.MultiheadAttention), so their "
-            f"attention logits cannot be monitored: {', '.join(bm.path for bm in out)}",
-            RuntimeWarning,
-            stacklevel=5,
-        )
-    return out
 
 
 def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> BlockMap:
@@ -431,7 +384,9 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
     if mlp_projs:
         last = b.module_output_of(mlp_projs[-1])
         m_call = next((m for m in b.trace.modules if m.path == mlp_path), None) if mlp_path else None
-        inside = m_call is not None and b.residual_between(mlp_projs[-1].output, m_call.output, start)
+        inside = m_call is not None and b.residual_between(
+            mlp_projs[-1].output, m_call.output, start, before=m_call.start
+        )
         if last is not None and (mlp_path is None or inside):
             mlp_path = (
                 last  # the MLP's output is its last projection's (fc2; Bloom adds the residual after it)
@@ -505,42 +460,3 @@ def _sublayer_of_attention(
     if scope != block and record is not None:
         return s_in if s_in is not None else record.input, record.output, record.start, record.end
     return s_in, call.output, call.index, call.index + 1
-
-
-def logits_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
-    """A map holding only the final logits (for z_loss / logit_softcap when no attention is found)."""
-    mmap = ModelMap(family="traced", blocks=[])
-    _logits(_Builder(model, trace), mmap)
-    return mmap
-
-
-def _logits(b: _Builder, mmap: ModelMap) -> None:
-    """Find the final logits: the model output computed by a projection after the last block."""
-    t = b.trace
-    tensor, key = _find_logits(t.output)
-    if tensor is None:
-        return
-    last_end = b.window(mmap.blocks[-1].path)[1] if mmap.blocks else 0
-    upstream = t.ancestors(id(tensor), since=last_end)
-    heads = [p for p in t.projections if p.index >= last_end and p.output in upstream]
-    if not heads:
-        return
-    head = heads[-1]
-    head_module = b.module_output_of(head)
-    mmap.output_head = head_module
-    mmap.vocab_size = int(tensor.shape[-1])
-    call = b.calls_by_output.get(id(tensor))
-    if head_module is not None and call is not None and call.path == head_module:
-        mmap.logits = LogitsMap(head_module, None, "traced")
-    else:
-        mmap.logits = LogitsMap("", key, "traced")
-    norms = [
-        m.path
-        for m in t.modules
-        if m.start >= last_end
-        and m.end <= head.index + 1
-        and is_norm(b.modules[m.path])
-        and m.output in upstream
-    ]
-    mmap.final_norm = norms[-1] if norms else None
-    mmap.found["logits"] = "traced"

@@ -170,6 +170,8 @@ def _template_norm(block: BlockMap, sublayer: str) -> str:
 
 def _rewire_post(handle: Handle, block: nn.Module, bmap: BlockMap) -> None:
     """Replace a pre-norm block's forward by ``h = norm_a(x + attn(x)); return norm_m(h + mlp(h))``."""
+    if bmap.attention is None:
+        raise InterventionError(NAME, bmap.path, "the block has no attention sub-layer to rewire")
     attn_rel = _rel(bmap, bmap.attention.path)
     mlp_rel = _rel(bmap, bmap.mlp)
     norm_a, norm_m = _norm_for(bmap, "attn"), _norm_for(bmap, "mlp")

@@ -4,8 +4,12 @@ attention implementation (fused SDPA included).
 How it sees the logits: on sampled steps (``MonitorConfig.attention_every``), a scoped
 ``TorchFunctionMode`` (`stabkit.attention.attach_scope`, innermost) is pushed in each attention
 module's forward pre-hook and popped in its forward hook. While the module runs, the mode routes
-``F.scaled_dot_product_attention``, the softmaxes of eager attention and
-``F.multi_head_attention_forward`` to this probe, which recomputes the logits on a sample of batch
+``F.scaled_dot_product_attention``, the softmaxes of eager attention,
+``F.multi_head_attention_forward`` and the calls of known attention kernels (flash-attn 2/3,
+FlexAttention, xformers, Transformer Engine, aten SDPA ops, kernels registered with
+`stabkit.register_kernel`: `stabkit.attention.kernels`) to this probe, which reads q and k from the
+call's arguments (honouring its causal flag, window, chunks, packed documents, ALiBi, soft cap, sinks,
+block mask and score_mod) and recomputes the logits on a sample of batch
 rows and query positions (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`; None = exact;
 see `attention_measure` for how the max is kept close to exact), in float32 under ``no_grad``, with
 no RNG, in blocks of heads, queries and keys whose temporaries stay within
@@ -13,12 +17,18 @@ no RNG, in blocks of heads, queries and keys whose temporaries stay within
 passes the call on with its original arguments: the model's outputs and RNG stream are untouched.
 On other steps, and in forwards that are not training forwards (evaluation, ``generate()``,
 ``no_grad``, checkpoint recomputation: `ProbeContext.training_forward`), the pre-hook returns at
-once (no mode). A training-mode forward that makes none of these calls (e.g. an external flash
-kernel) makes the probe warn once and switch off.
+once (no mode). An attention module whose training-mode forward makes none of these calls (an
+unregistered custom kernel), or a call the probe cannot read, is named in one warning and no longer
+watched; the other modules and every other statistic go on (``MonitorConfig(strict=True)`` raises
+instead). Sites discovery already found opaque (impl ``"opaque"``: it warned at attach) are not watched.
 
 Metrics per attention module (path `p`): ``attn/p/max_logit`` (combine max), ``attn/p/entropy``
 (mean), ``attn/p/min_head_entropy`` (min over micro-batches), with
 ``MonitorConfig.attn_per_head`` also ``attn/p/head.<h>/max_logit`` and ``.../head.<h>/entropy``.
+With learned sink logits (GPT-OSS eager, kernels given ``sinks``), ``attn/p/sink_mass``: the mean
+softmax probability on the sinks (per head: ``attn/p/head.<h>/sink_mass``); the sinks enter the
+entropy but not the max logit. A softmax whose input the model shifted by its row max is read
+unshifted (`attention_eager`).
 With a soft cap, also ``attn/p/max_logit_capped``:
 
 - cap set by the ``attn_softcap`` intervention (attribute ``_stabkit_attn_softcap``): the probe sees
@@ -41,6 +51,7 @@ decoding with GQA packs query heads into the query dim, so per-head values there
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -49,8 +60,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..attention import kernels
+from ..attention.call import QKCall
+from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
-from .attention_calls import Reader, read_mha, read_sdpa, read_softmax
+from ..discovery.modelmap import OPAQUE
+from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
 from .attention_stats import HeadStats, Sampling, uncap
 from .base import Probe, ProbeContext, ProbeError
@@ -77,16 +92,16 @@ def model_cap(module: nn.Module) -> float | None:
 
 
 class AttentionProbe(Probe):
-    """Writes `attn/<path>/{max_logit,entropy,min_head_entropy}` (and per head / capped) on sampled steps."""
+    """Writes `attn/<path>/{max_logit,entropy,min_head_entropy}` (and per head / capped / sink mass)
+    on sampled steps."""
 
     name = "attn"
     families = frozenset({"attn"})
 
     def attach(self, ctx: ProbeContext) -> None:
         super().attach(ctx)
-        self.modules: dict[str, nn.Module] = {
-            p: ctx.model.get_submodule(p) for p in ctx.model_map.attention_paths if p
-        }
+        sites = {a.path: a for a in ctx.model_map.attentions if a.path and a.impl != OPAQUE}
+        self.modules: dict[str, nn.Module] = {p: ctx.model.get_submodule(p) for p in sites}
         self._names: dict[str, tuple[str, str, str, str]] = {
             p: (
                 f"attn/{p}/max_logit",
@@ -98,32 +113,47 @@ class AttentionProbe(Probe):
         }
         self._inline = set(ctx.model_map.block_paths) & set(self.modules)
         """Blocks that compute attention inline: only their attention-shaped softmaxes are read."""
+        self._off: set[str] = set()
+        """Attention modules whose calls cannot be read: warned about once, no longer watched."""
+        self._reads: dict[str, int] = {}
+        """Calls read (or tried) in each module's forward in progress."""
+        tracked = {p: a.sink_columns for p, a in sites.items() if a.softmax_shift or a.sink_columns}
+        self._eager = EagerTracker(tracked)
         readers: dict[Callable[..., Any], Reader] = {
             SDPA: read_sdpa,
             F.multi_head_attention_forward: read_mha,
         }
-        readers.update(dict.fromkeys(SOFTMAXES, read_softmax))
         functions = {fn: self._make_handler(reader) for fn, reader in readers.items()}
+        functions.update(dict.fromkeys(SOFTMAXES, self._make_handler(read_softmax, eager=True)))
+        tracking = dict(functions)
+        tracking.update(dict.fromkeys(ROW_MAXES, self._eager.on_row_max))
+        tracking.update(dict.fromkeys(SUBTRACTIONS, self._eager.on_sub))
+        self._kernel_handlers: dict[str, Callable[..., Any]] = {}
+        self._entry_points = kernels.install()  # Python-level kernels visible to the scope's mode
         every = ctx.config.attention_every
         self.watch_forwards()
         self._scopes: list[ScopeHandle] = []
         for path, module in self.modules.items():
 
-            def sampled(m: nn.Module = module) -> bool:
+            def sampled(m: nn.Module = module, p: str = path) -> bool:
                 """In the module's forward pre-hook: push the mode only in sampled training forwards."""
-                if not (self.enabled and ctx.sampled(every) and ctx.training_forward(m)):
+                if p in self._off or not (self.enabled and ctx.sampled(every) and ctx.training_forward(m)):
                     return False
-                return not (isinstance(m, nn.MultiheadAttention) and _mha_fast_path_possible(m))
+                if isinstance(m, nn.MultiheadAttention) and _mha_fast_path_possible(m):
+                    return False
+                self._reads[p] = 0
+                return True
 
             scope = attach_scope(
                 ctx.model,
                 [path],
-                functions,
+                tracking if path in tracked else functions,
                 outer=False,
                 on_exit=self._on_exit,
                 enabled=sampled,
                 hooks=ctx.hooks,
                 owner=self.name,
+                resolve=self._kernel_handler,
             )
             self._scopes.append(scope)
 
@@ -131,23 +161,58 @@ class AttentionProbe(Probe):
         """Remove the scope hooks (safe to call twice)."""
         for scope in getattr(self, "_scopes", []):
             scope.remove()
+        entry = getattr(self, "_entry_points", None)
+        if entry is not None:
+            entry.remove()
         super().detach()
 
-    def _make_handler(self, reader: Reader) -> Callable[..., Any]:
+    def _kernel_handler(self, func: Any) -> Callable[..., Any] | None:
+        """The handler of a known attention kernel (by op name or wrapped entry point), else None."""
+        kernel = kernels.lookup(func)
+        if kernel is None:
+            return None
+        handler = self._kernel_handlers.get(kernel.name)
+        if handler is None:
+            handler = self._make_handler(read_sdpa, kernel=kernel)
+            self._kernel_handlers[kernel.name] = handler
+        return handler
+
+    def _make_handler(
+        self, reader: Reader, eager: bool = False, kernel: kernels.Kernel | None = None
+    ) -> Callable[..., Any]:
         def handler(
             path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
         ) -> Any:
-            skip = reader is read_softmax and path in self._inline and not attention_shaped(args, kwargs)
-            if self.enabled and not skip:
+            skip = eager and path in self._inline and not attention_shaped(args, kwargs)
+            if self.enabled and not skip and path not in self._off:
+                self._reads[path] = self._reads.get(path, 0) + 1
+                read = reader
+                if eager and path in self._eager.sink_columns:
+                    read = lambda a, kw: self._eager.read(path, a, kw)  # noqa: E731
+                elif kernel is not None:
+                    read = lambda a, kw: kernels.read_call(kernel, func, a, kw)  # noqa: E731
                 try:
-                    self._measure(path, reader, func, args, kwargs)
+                    self._measure(path, read, func, args, kwargs)
                 except ProbeError:
                     raise
-                except Exception as exc:  # warn once, disable; strict=True raises ProbeError
-                    self.fail(f"attention module {path!r}", exc)
+                except Exception as exc:  # warn once for this module, stop watching it; strict raises
+                    self._site_failed(path, exc)
             return func(*args, **kwargs)  # the original call, untouched
 
         return handler
+
+    def _site_failed(self, path: str, exc: BaseException) -> None:
+        module = self.modules[path]
+        if self.ctx is not None and self.ctx.config.strict:
+            raise ProbeError(f"stabkit probe 'attn' cannot read attention module {path!r}: {exc}") from exc
+        if path not in self._off:
+            self._off.add(path)
+            warnings.warn(
+                f"stabkit: attention logits of {path!r} ({type(module).__name__}) are not measured: {exc}. "
+                "Everything else is still monitored (MonitorConfig(strict=True) raises instead)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
 
     def _measure(
         self,
@@ -168,6 +233,8 @@ class AttentionProbe(Probe):
             call = reader(args, kwargs)
             seen_capped = model_cap(module) if func in SOFTMAXES else None
             applied_cap = None if seen_capped else _number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            if isinstance(call, QKCall) and call.softcap is not None:
+                applied_cap = call.softcap  # the kernel caps through its own argument
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
             self._record(path, stats, seen_capped, applied_cap)
 
@@ -188,23 +255,30 @@ class AttentionProbe(Probe):
                 rec.add(n_capped, applied_cap * torch.tanh(top / applied_cap), combine="max", reduction="max")
         rec.add(n_ent, stats.entropy(), combine="mean", reduction="mean")
         rec.add(n_min, stats.min_head_entropy(), combine="min", reduction="min")
+        sink = stats.sink_mass()
+        if sink is not None:
+            rec.add(f"attn/{path}/sink_mass", sink.mean(), combine="mean", reduction="mean")
         if ctx.config.attn_per_head:
             head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
             head_ent = stats.head_entropy()
             for h in range(head_max.shape[0]):
                 rec.add(f"attn/{path}/head.{h}/max_logit", head_max[h], combine="max", reduction="max")
                 rec.add(f"attn/{path}/head.{h}/entropy", head_ent[h], combine="mean", reduction="mean")
+                if sink is not None:
+                    rec.add(f"attn/{path}/head.{h}/sink_mass", sink[h], combine="mean", reduction="mean")
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:
         """After a scoped forward: a training-mode forward that made no call the probe can read means
-        an attention implementation it does not understand (e.g. an external flash kernel)."""
+        an attention implementation it does not understand (e.g. an unregistered custom kernel)."""
+        self._eager.end(path)
         module = self.modules[path]
-        if handled == 0 and output is not None and module.training and self.enabled:
-            self.fail(
-                f"attention module {path!r} ({type(module).__name__})",
+        if self._reads.pop(path, 0) == 0 and output is not None and module.training and self.enabled:
+            self._site_failed(
+                path,
                 RuntimeError(
-                    "its forward called neither F.scaled_dot_product_attention, a softmax, nor "
-                    "F.multi_head_attention_forward, so the probe cannot see its logits"
+                    "its forward called neither F.scaled_dot_product_attention, a softmax over q·kᵀ, "
+                    "F.multi_head_attention_forward nor a known attention kernel; register its kernel "
+                    "with stabkit.register_kernel(...) to measure it"
                 ),
             )
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from .attention_masks import IndexMask
 
 Dims = tuple[int, int, int, int]
 """(batch rows, kv heads (or heads), queries, keys) of a block or of the whole sweep."""
@@ -25,12 +29,12 @@ ROW_BYTES = 48
 """Live bytes per query row of the online entropy (`RowSums`: three sums and their updates)."""
 
 
-def cost_qk(b: int, kv: int, n_q: int, n_k: int, *, group: int, dim: int, state: bool) -> int:
+def cost_qk(b: int, kv: int, n_q: int, n_k: int, *, group: int, dim: int, state: bool, extra: int = 0) -> int:
     """Bytes a q/k block may hold: logits, the float32 copies of its queries and keys (a cast, or
     matmul flattening strided batch dims), and (`state`) the running sums of its query rows."""
     heads = kv * group
     rows = b * heads * n_q
-    out = LOGIT_BYTES * rows * n_k + 4 * rows * dim + 4 * b * kv * n_k * dim
+    out = (LOGIT_BYTES + extra) * rows * n_k + 4 * rows * dim + 4 * b * kv * n_k * dim
     return out + (ROW_BYTES * rows if state else 0)
 
 
@@ -95,7 +99,7 @@ def _heads(t: torch.Tensor, part: slice) -> torch.Tensor:
 
 @dataclass
 class QKBlocks:
-    """Queries, keys and masks of one sweep (views); hands out one block's logits and mask."""
+    """Queries, keys and masks of one sweep (views); hands out one block's logits, mask and scores."""
 
     q: torch.Tensor
     """(b, H, l, E) the queries measured (any dtype)."""
@@ -108,13 +112,21 @@ class QKBlocks:
     or (with `gather`) the call's full query dim."""
     bias: torch.Tensor | None
     """Additive term of the softmax input, broadcastable to (b, H, l, S)."""
-    positions: torch.Tensor | None
-    """Causal (top-left): each measured query's position, 3-d broadcastable to (b, H, l)."""
-    gather: torch.Tensor | None = None
-    """(b, H, l) positions of the queries in `allowed`'s query dim (the max candidates)."""
+    q_index: torch.Tensor
+    """(b|1, H|1, l) int64: each measured query's index in the call."""
+    causal: bool = False
+    """Top-left causal: key j is blocked for a query at index i when j > i."""
+    gather: bool = False
+    """`allowed` spans the call's queries: pick the measured ones by `q_index` (the max candidates)."""
     host_positions: range | None = None
     """Causal, with the same positions for every row and head (the uniform sample): them, on the
     host, so that blocks of keys all after their queries are skipped without a device sync."""
+    row_index: torch.Tensor | None = None
+    """(b,) int64 absolute batch rows of the measured rows (index masks need them)."""
+    index_mask: IndexMask | None = None
+    """Position / FlexAttention masks, ALiBi and score_mod of the call (None: none)."""
+    head_offset: int = 0
+    """Absolute index of the first query head in `q` (the max candidates measure a slice of heads)."""
 
     def last_query(self, qs: slice) -> int:
         """The position of the last query in `qs` (needs `host_positions`)."""
@@ -142,31 +154,63 @@ class QKBlocks:
         out = torch.matmul(flat, k.float().transpose(-1, -2))  # (b, hkv, g·l, s)
         return out.mul_(scale).view(out.shape[0], heads, n_q, out.shape[-1])
 
+    def _query_index(self, rs: slice, hs: slice, qs: slice) -> torch.Tensor:
+        return _heads(_rows(self.q_index, rs), hs)[:, :, qs]  # (b|1, h|1, l)
+
+    def _abs(self, rs: slice, hs: slice) -> tuple[torch.Tensor, torch.Tensor]:
+        """Absolute (rows, heads) of a block, for index masks."""
+        assert self.row_index is not None, "index masks need row_index"
+        off = self.head_offset
+        return self.row_index[rs], torch.arange(hs.start + off, hs.stop + off, device=self.q.device)
+
     def blocked(self, rs: slice, hs: slice, qs: slice, ks: slice) -> torch.Tensor | None:
         """bool, broadcastable to the block: True where a query may NOT see a key (None: all may)."""
         out: torch.Tensor | None = None
         if self.allowed is not None:
             a = _heads(_rows(self.allowed, rs), hs)
             a = a[..., ks] if a.shape[3] > 1 else a
-            if a.shape[2] > 1 and self.gather is not None:
-                idx = _rows(self.gather, rs)[:, hs, qs]  # (b, h, l)
+            if a.shape[2] > 1 and self.gather:
+                idx = self._query_index(rs, hs, qs)  # (b, h, l)
                 a = a.expand(idx.shape[0], idx.shape[1], -1, -1)
                 a = a.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, a.shape[3]))  # (b, h, l, s)
             elif a.shape[2] > 1:
                 a = a[:, :, qs]
             out = ~a
-        if self.positions is not None:
-            pos = _heads(_rows(self.positions.unsqueeze(-1), rs), hs)[:, :, qs]  # (b|1, h|1, l, 1)
-            keys = torch.arange(ks.start, ks.stop, device=pos.device)  # (s,)
-            late = keys > pos  # key after the query
-            out = late if out is None else out | late
+        if self.causal or self.index_mask is not None:
+            qi = self._query_index(rs, hs, qs)
+            if self.causal:
+                keys = torch.arange(ks.start, ks.stop, device=qi.device)  # (s,)
+                late = keys > qi.unsqueeze(-1)  # key after the query
+                out = late if out is None else out | late
+            if self.index_mask is not None:
+                rows, heads = self._abs(rs, hs)
+                extra = self.index_mask.blocked(rows, heads, qi, ks)
+                if extra is not None:
+                    out = extra if out is None else out | extra
         return out
 
     def bias_block(self, rs: slice, hs: slice, qs: slice, ks: slice) -> torch.Tensor | None:
-        """The additive bias of a block (float32, broadcastable), or None."""
-        if self.bias is None:
+        """The additive bias of a block (float32, broadcastable): the call's mask bias and ALiBi, or None."""
+        out: torch.Tensor | None = None
+        if self.bias is not None:
+            t = _heads(_rows(self.bias, rs), hs)
+            t = t[:, :, qs] if t.shape[2] > 1 else t
+            t = t[..., ks] if t.shape[3] > 1 else t
+            out = t.float()
+        if self.index_mask is not None:
+            rows, heads = self._abs(rs, hs)
+            alibi = self.index_mask.bias(rows, heads, self._query_index(rs, hs, qs), ks)
+            if alibi is not None:
+                out = alibi if out is None else out + alibi
+        return out
+
+    def modifier(
+        self, rs: slice, hs: slice, qs: slice, ks: slice
+    ) -> Callable[[torch.Tensor], torch.Tensor] | None:
+        """FlexAttention's score_mod for this block, or None."""
+        mask = self.index_mask
+        if mask is None or mask.score_mod is None:
             return None
-        t = _heads(_rows(self.bias, rs), hs)
-        t = t[:, :, qs] if t.shape[2] > 1 else t
-        t = t[..., ks] if t.shape[3] > 1 else t
-        return t.float()
+        rows, heads = self._abs(rs, hs)
+        qi = self._query_index(rs, hs, qs)
+        return lambda scores: mask.modify(scores, rows, heads, qi, ks)

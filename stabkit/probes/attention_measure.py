@@ -29,9 +29,10 @@ import math
 
 import torch
 
+from ..attention.call import LogitsCall, QKCall
 from ..stats import norm_f32
 from .attention_blocks import QKBlocks, cost_logits, cost_qk, cost_scores, dims_of, plan, spans
-from .attention_calls import LogitsCall, QKCall
+from .attention_masks import IndexMask
 from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input, take
 
 CHUNK_ELEMENTS = (1 << 20) // 4
@@ -49,8 +50,8 @@ def measure(
     entropy), with temporaries within `budget` bytes (None: ``4 · CHUNK_ELEMENTS``)."""
     budget = 4 * CHUNK_ELEMENTS if budget is None else budget
     if isinstance(call, LogitsCall):
-        return _measure_logits(call.x, sampling, cap, budget)
-    return _measure_qk(call, sampling, cap, budget)
+        return _measure_logits(call.x, sampling, cap, budget, call.sink_columns)
+    return _measure_qk(call, sampling, call.softcap or cap, budget)
 
 
 def candidates_per_row(sampling: Sampling, batch: int, n_queries: int) -> int:
@@ -66,31 +67,42 @@ def _measure_qk(call: QKCall, sampling: Sampling, cap: float | None, budget: int
     q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
     batch, n_q = max(q.shape[0], k.shape[0]), q.shape[2]
     rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
-    positions = torch.arange(n_q, device=q.device)[queries] if call.causal else None  # (l,)
+    index_mask = IndexMask.of(call)
+    q_index = torch.arange(n_q, device=q.device)[queries].view(1, 1, -1)  # (1, 1, l)
     blocks = QKBlocks(
         q=take(q, rows, queries),  # (b, H, l, E) view
         k=take(k, rows, slice(None)),  # (b, Hkv, S, E) view
         scale=call.scale,
         allowed=None if call.allowed is None else take(call.allowed, rows, queries),
         bias=None if call.bias is None else take(call.bias, rows, queries),
-        positions=None if positions is None else positions.view(1, 1, -1),
+        q_index=q_index,
+        causal=call.causal,
         host_positions=range(n_q)[queries] if call.causal else None,
+        row_index=torch.arange(batch, device=q.device)[rows] if index_mask is not None else None,
+        index_mask=index_mask,
     )
-    stats = _sweep(blocks, cap, budget)
+    sinks = None if call.sinks is None else call.sinks.detach().float().reshape(-1)
+    stats = _sweep(blocks, cap, budget, sinks=sinks)
     per_row = candidates_per_row(sampling, batch, n_q)
     if per_row and q.shape[0] == k.shape[0]:
         stats.max_logit = torch.maximum(stats.max_logit, candidate_max(call, per_row, budget))
     return stats
 
 
-def _sweep(blocks: QKBlocks, cap: float | None, budget: int, entropy: bool = True) -> HeadStats:
+def _sweep(
+    blocks: QKBlocks, cap: float | None, budget: int, entropy: bool = True, sinks: torch.Tensor | None = None
+) -> HeadStats:
     """Per-head statistics of a QKBlocks over all its keys: max |logit|, and (`entropy`) the row
-    entropies accumulated over key blocks."""
+    entropies accumulated over key blocks (with `sinks` (H,): one more softmax column per head, whose
+    probability is summed into `HeadStats.sink_sum`)."""
     heads = blocks.q.shape[1]
     out = HeadStats.zeros(heads, blocks.q.device)
+    if sinks is not None:
+        out.sink_sum = torch.zeros(heads, device=blocks.q.device)
     dims = (blocks.rows, blocks.k.shape[1], blocks.q.shape[2], blocks.k.shape[2])
     group, dim = blocks.group, blocks.q.shape[-1]
-    sizes = plan(dims, lambda *s: cost_qk(*s, group=group, dim=dim, state=entropy), budget)
+    extra = blocks.index_mask.bytes_per_logit if blocks.index_mask is not None else 0
+    sizes = plan(dims, lambda *s: cost_qk(*s, group=group, dim=dim, state=entropy, extra=extra), budget)
     row_spans, kv_spans, q_spans, k_spans = (spans(n, c) for n, c in zip(dims, sizes, strict=True))
     causal_host = blocks.host_positions is not None
     for rs in row_spans:
@@ -106,9 +118,14 @@ def _sweep(blocks: QKBlocks, cap: float | None, budget: int, entropy: bool = Tru
                     blocked = blocks.blocked(rs, hs, qs, ks)
                     tops.append(masked_absmax(logits, blocked))
                     if sums is not None:
-                        sums.add(softmax_input(logits, blocked, blocks.bias_block(rs, hs, qs, ks), cap))
+                        bias, modify = blocks.bias_block(rs, hs, qs, ks), blocks.modifier(rs, hs, qs, ks)
+                        sums.add(softmax_input(logits, blocked, bias, cap, modify))
                     del logits, blocked
                 if sums is not None:
+                    if sinks is not None and out.sink_sum is not None:
+                        sink = sinks[hs].view(1, -1, 1).expand(*sums.shape)  # (b, h, l)
+                        sums.add(sink.unsqueeze(-1).clone())
+                        out.sink_sum[hs] += sums.share(sink).sum(dim=(0, 2))
                     row_entropy, valid = sums.entropy()  # (b, h, l)
                     out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
                     out.rows[hs] += valid.sum(dim=(0, 2))
@@ -130,16 +147,20 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
         lambda b, kv, _l, _s: cost_scores(b, kv, group=group, n_q=n_q, n_k=n_k, per_row=per_row, dim=dim),
         budget,
     )
-    reach = torch.arange(n_q, device=q.device).clamp(max=n_k - 1)  # (L,) last key each query sees
+    reach = _reach(call, n_q, n_k)  # (L,) last key each query may see, or None (any key)
+    index_mask = IndexMask.of(call)
     for rs in spans(batch, sizes[0]):
         for kv in spans(kv_heads, sizes[1]):
             hs = slice(kv.start * group, kv.stop * group)
             q_part, k_part = q[rs, hs], k[rs, kv]  # (b, h, L, E), (b, hkv, S, E) views
             score = norm_f32(q_part, dim=-1)  # (b, h, L)
-            if call.causal:
-                prefix = norm_f32(k_part, dim=-1).cummax(dim=-1).values.index_select(-1, reach)  # (b, hkv, L)
-                score = score.view(score.shape[0], -1, group, n_q).mul_(prefix.unsqueeze(2)).flatten(1, 2)
-                del prefix
+            key_norm = norm_f32(k_part, dim=-1)  # (b, hkv, S)
+            if reach is not None:
+                limit = key_norm.cummax(dim=-1).values.index_select(-1, reach)  # (b, hkv, L)
+            else:
+                limit = key_norm.amax(dim=-1, keepdim=True)  # (b, hkv, 1)
+            score = score.view(score.shape[0], -1, group, n_q).mul_(limit.unsqueeze(2)).flatten(1, 2)
+            del limit, key_norm
             idx = score.topk(per_row, dim=-1).indices  # (b, h, m)
             del score
             chosen = q_part.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))  # (b, h, m, E)
@@ -148,19 +169,50 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
                 allowed = call.allowed[rs if call.allowed.shape[0] > 1 else slice(None)]
                 allowed = allowed[:, hs if allowed.shape[1] > 1 else slice(None)]
             blocks = QKBlocks(
-                chosen, k_part, call.scale, allowed, None, idx if call.causal else None, gather=idx
+                chosen,
+                k_part,
+                call.scale,
+                allowed,
+                None,
+                q_index=idx,
+                causal=call.causal,
+                gather=True,
+                row_index=torch.arange(batch, device=q.device)[rs] if index_mask is not None else None,
+                index_mask=index_mask,
+                head_offset=hs.start,
             )
             top = _sweep(blocks, None, budget, entropy=False).max_logit
             out[hs] = torch.maximum(out[hs], top)
     return out
 
 
-def _measure_logits(x: torch.Tensor, sampling: Sampling, cap: float | None, budget: int) -> HeadStats:
-    """Eager path: statistics of a sample of the materialised (B, H, L, S) softmax input `x`."""
+def _reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:
+    """(L,) the last key each query may see under a plain causal mask (top-left, or bottom-right
+    without documents), for ranking max candidates; None when any key may be in reach."""
+    device = call.q.device
+    if call.causal:
+        return torch.arange(n_q, device=device).clamp(max=n_k - 1)
+    pos = call.positions
+    if pos is not None and pos.causal and pos.q_doc is None:
+        return pos.q_pos.clamp(0, n_k - 1)
+    return None
+
+
+def _measure_logits(
+    x: torch.Tensor, sampling: Sampling, cap: float | None, budget: int, sink_columns: int = 0
+) -> HeadStats:
+    """Eager path: statistics of a sample of the materialised (B, H, L, S) softmax input `x`; its last
+    `sink_columns` columns are learned sink logits (in the entropy and the sink mass, not the max)."""
     batch, heads, n_q, _ = x.shape
-    sample = take(x, sampling.row_slice(batch), sampling.query_slice(n_q))  # (b, H, l, S) view
+    sinks = x[..., x.shape[-1] - sink_columns :] if sink_columns else None  # (B, H, L, n)
+    x = x[..., : x.shape[-1] - sink_columns] if sink_columns else x
+    rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
+    sample = take(x, rows, queries)  # (b, H, l, S) view
+    sink_sample = take(sinks, rows, queries) if sinks is not None else None
     threshold = torch.finfo(x.dtype).min / 2
     out = HeadStats.zeros(heads, x.device)
+    if sink_sample is not None:
+        out.sink_sum = torch.zeros(heads, device=x.device)
     dims = dims_of(sample)
     sizes = plan(dims, lambda *s: cost_logits(*s, itemsize=x.element_size(), state=True), budget)
     row_spans, h_spans, q_spans, k_spans = (spans(n, c) for n, c in zip(dims, sizes, strict=True))
@@ -175,6 +227,10 @@ def _measure_logits(x: torch.Tensor, sampling: Sampling, cap: float | None, budg
                     out.max_logit[hs] = torch.maximum(out.max_logit[hs], masked_absmax(logits, blocked))
                     sums.add(softmax_input(logits, blocked, None, cap))
                     del part, blocked, logits
+                if sink_sample is not None and out.sink_sum is not None:
+                    sink = sink_sample[rs, hs, qs].float()  # (b, h, l, n)
+                    sums.add(sink.clone())
+                    out.sink_sum[hs] += sums.share(sink).sum(dim=(0, 2))
                 row_entropy, valid = sums.entropy()
                 out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
                 out.rows[hs] += valid.sum(dim=(0, 2))

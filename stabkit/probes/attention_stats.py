@@ -22,6 +22,7 @@ clamped at −80, as in a one-block computation: keys that far below the max wei
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -79,11 +80,17 @@ class HeadStats:
     """(H,) sum of the entropies of the measured query rows of each head."""
     rows: torch.Tensor
     """(H,) number of measured query rows (with at least one allowed key) of each head."""
+    sink_sum: torch.Tensor | None = None
+    """(H,) sum over the measured rows of the probability on learned sink logits (None: no sinks)."""
 
     @classmethod
     def zeros(cls, heads: int, device: torch.device) -> HeadStats:
         """Nothing measured yet (max 0: |logit| >= 0, and a head without allowed entries reads 0)."""
         return cls(*(torch.zeros(heads, device=device) for _ in range(3)))
+
+    def sink_mass(self) -> torch.Tensor | None:
+        """(H,) mean probability on the sink logits per head (None without sinks)."""
+        return None if self.sink_sum is None else self.sink_sum / self.rows.clamp_min(1)
 
     def entropy(self) -> torch.Tensor:
         """0-d mean entropy over all heads' measured rows."""
@@ -116,13 +123,19 @@ def masked_absmax(logits: torch.Tensor, blocked: torch.Tensor | None) -> torch.T
 
 
 def softmax_input(
-    logits: torch.Tensor, blocked: torch.Tensor | None, bias: torch.Tensor | None, cap: float | None
+    logits: torch.Tensor,
+    blocked: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    cap: float | None,
+    modify: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """In place: ``cap·tanh(logits/cap) + bias``, −inf at blocked entries; returns `logits`."""
+    """In place where possible: ``modify(cap·tanh(logits/cap) + bias)``, −inf at blocked entries."""
     if cap is not None:
         logits.div_(cap).tanh_().mul_(cap)
     if bias is not None:
         logits.add_(bias)
+    if modify is not None:
+        logits = modify(logits).to(torch.float32).contiguous()
     if blocked is not None:
         fill_(logits, blocked, -torch.inf)
     return logits
@@ -158,6 +171,23 @@ class RowSums:
         self.moment = scale * (self.moment + delta * self.total) + moment
         self.total = scale * self.total + total
         self.top = top
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """(b, h, l) of the rows."""
+        assert self.top is not None, "RowSums.shape before any key block"
+        return tuple(self.top.shape)
+
+    def share(self, z: torch.Tensor) -> torch.Tensor:
+        """Softmax probability of a score `z` ((b, h, l) or (b, h, l, n), summed over n) that was
+        added to these rows (e.g. a learned sink column): ``exp(z − ref) / Σ``; 0 for rows with no key."""
+        assert self.top is not None, "RowSums.share before any key block"
+        ref = torch.where(self.top == -torch.inf, 0.0, self.top)
+        if z.dim() == ref.dim() + 1:
+            p = torch.exp((z - ref.unsqueeze(-1)).clamp_min(CLAMP)).sum(-1)
+        else:
+            p = torch.exp((z - ref).clamp_min(CLAMP))
+        return torch.where(self.top != -torch.inf, p / self.total, 0.0)
 
     def entropy(self) -> tuple[torch.Tensor, torch.Tensor]:
         """((b, h, l) entropy of each row, 0 where no key was allowed; (b, h, l) bool: row counted)."""

@@ -179,9 +179,10 @@ def test_bad_inputs_raise_actionable_errors() -> None:
     with pytest.raises(ValueError, match="unknown name"):
         stabkit.MonitorConfig(families=frozenset({"acts"}))
     mlp = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    stabkit.attach(mlp)  # no input stabkit can make: discovery traces the first forward
-    with pytest.raises(stabkit.DiscoveryError, match="no attention call was seen"):
-        mlp(torch.randn(2, 4))
+    strict = stabkit.MonitorConfig(strict=True, console=False)
+    stabkit.attach(mlp, config=strict)  # no input stabkit can make: discovery traces the first forward
+    with pytest.raises(stabkit.DiscoveryError, match="no attention call.*strict mode"):
+        mlp(torch.randn(2, 4))  # strict mode, chosen by the user: the gap stops the run
     assert not mlp._forward_pre_hooks and not mlp._forward_hooks  # nothing stays attached
 
 

@@ -6,7 +6,9 @@ Builders import their third-party package when called, so a missing package only
 raise ImportError (tests turn that into a skip). Entry names start with their source:
 
 - ``hf-<arch>-<sdpa|eager>``: Hugging Face transformers (`hf_decoders`, `hf_encoders`, `hf_seq2seq`,
-  `hf_vision`), one entry per attention implementation the architecture supports;
+  `hf_vision`, and `hf_modern`: MLA, attention sinks, sliding / chunked windows, NoPE, MoE, hybrids with
+  Mamba / convolution / linear-attention layers, Whisper, CLIP / SigLIP), one entry per attention
+  implementation the architecture supports;
 - ``timm-*``: timm ViT / Swin, fused (SDPA) and non-fused attention;
 - ``xt-*``: x-transformers, flash (SDPA) and eager attention;
 - ``litgpt-*``: litgpt (not installed by the zoo: its huggingface-hub pin conflicts with transformers);
@@ -24,6 +26,7 @@ from . import (
     handwritten,
     hf_decoders,
     hf_encoders,
+    hf_modern,
     hf_seq2seq,
     hf_vision,
     litgpt_models,
@@ -42,6 +45,7 @@ for _module in (
     hf_encoders,
     hf_seq2seq,
     hf_vision,
+    hf_modern,
     timm_models,
     xtransformers_models,
     litgpt_models,

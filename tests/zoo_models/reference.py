@@ -10,6 +10,15 @@ records the maximum attention logit over the entries the call lets a query see, 
 - a softmax over the last dim of a 4-d float tensor (eager attention: ``F.softmax``, ``torch.softmax``,
   ``Tensor.softmax``, ``nn.Softmax``): the max of its input (logits plus any additive mask or bias)
   over entries > finfo(dtype).min/2.
+- attention sinks (GPT-OSS eager attention): ``torch.cat([logits, sink], dim=-1)`` of a 4-d float
+  ``logits`` (B, H, L, S) — q·kᵀ·scale plus the additive mask — and a (B, H, L, 1) sink column, whose
+  result, shifted by its row max, is the softmax input. The softmax input is no reading of the logits
+  here: each row is shifted so that its max is 0 (its max |x| is the row's range, sink included), and
+  the sink is a learned per-head logit no query·key product makes. So the reference takes the cat's
+  first operand (the max over its entries > finfo.min/2, as for a softmax input) and records it when a
+  tensor computed from the cat's result by same-shape operations (the shift) reaches a 4-d softmax — one
+  record per attention call, at the softmax, in call order. A cat whose result never reaches a softmax
+  records nothing.
 - ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``): q and k from the in-projection
   weights, ``q @ kᵀ / sqrt(head_dim)`` in float64. Allowed entries: bool masks False (MHA's convention:
   True = may NOT attend), float masks > finfo.min/2, for both ``attn_mask`` and ``key_padding_mask``;
@@ -33,6 +42,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 _SOFTMAXES = {F.softmax, torch.softmax, torch.Tensor.softmax, torch._C._VariableFunctions.softmax}
+_CATS = {torch.cat, torch.concat, torch.concatenate, torch._C._VariableFunctions.cat}
 _SDPA_SIG = inspect.signature(
     lambda query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False: (
         None
@@ -130,6 +140,9 @@ class AttentionLogitRecorder(TorchFunctionMode):
         self.absolute = absolute
         self.maxima: list[float] = []
         self.kinds: list[str] = []
+        # id of a tensor computed from a sink cat -> (that tensor, kept alive so its id stays unique; the max
+        # logit of the cat's first operand)
+        self._sinked: dict[int, tuple[torch.Tensor, float]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -142,8 +155,37 @@ class AttentionLogitRecorder(TorchFunctionMode):
                 x = args[0] if args else kwargs.get("input", kwargs.get("self"))
                 dim = args[1] if len(args) > 1 else kwargs.get("dim")
                 if isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3):
-                    self._record("softmax", softmax_max(x, self.absolute))
-        return func(*args, **kwargs)
+                    if id(x) in self._sinked:
+                        self._record("sink-softmax", self._sinked.pop(id(x))[1])
+                    else:
+                        self._record("softmax", softmax_max(x, self.absolute))
+        out = func(*args, **kwargs)
+        if func not in _SOFTMAXES and isinstance(out, torch.Tensor):
+            with torch.no_grad():
+                self._track_sinks(func, args, kwargs, out)
+        return out
+
+    def _track_sinks(self, func, args: tuple, kwargs: Mapping[str, Any], out: torch.Tensor) -> None:
+        """Remember a sink cat's result, and each same-shape tensor computed from a remembered one."""
+        if func in _CATS:
+            parts = args[0] if args else kwargs.get("tensors", kwargs.get("input"))
+            dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+            if (
+                isinstance(parts, (list, tuple))
+                and len(parts) == 2
+                and all(isinstance(p, torch.Tensor) and p.dim() == 4 and p.is_floating_point() for p in parts)
+                and dim in (-1, 3)
+                and parts[1].shape[-1] == 1
+                and parts[0].shape[:-1] == parts[1].shape[:-1]
+            ):
+                self._sinked[id(out)] = (out, softmax_max(parts[0], self.absolute))
+            return
+        if not self._sinked:
+            return
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, torch.Tensor) and id(a) in self._sinked and a.shape == out.shape:
+                self._sinked[id(out)] = (out, self._sinked[id(a)][1])
+                return
 
     def _record(self, kind: str, value: float) -> None:
         self.kinds.append(kind)

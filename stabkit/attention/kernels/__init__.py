@@ -1,0 +1,26 @@
+"""Attention kernels stabkit recognises at their entry points: flash-attn 2 and 3, FlexAttention,
+xformers, Transformer Engine, the aten SDPA ops — and any other kernel a user registers
+(`register_kernel`). See `base` for how a call is recognised and `entry_points` for how Python-level
+entry points become visible to function modes.
+"""
+
+from . import aten, flash, flex, te, xformers  # noqa: F401  (registers the built-in kernels)
+from .base import KERNELS, Kernel, bind, is_op, lookup, op_name, read_call, recall
+from .custom import LAYOUTS, forget_kernel, register_kernel
+from .entry_points import EntryPoints, install
+
+__all__ = [
+    "KERNELS",
+    "LAYOUTS",
+    "EntryPoints",
+    "Kernel",
+    "bind",
+    "forget_kernel",
+    "install",
+    "is_op",
+    "lookup",
+    "op_name",
+    "read_call",
+    "recall",
+    "register_kernel",
+]

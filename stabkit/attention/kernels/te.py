@@ -1,0 +1,1 @@
+"""Transformer Engine (placeholder until the reader lands)."""

@@ -1,0 +1,1 @@
+"""xformers (placeholder until the reader lands)."""
