@@ -275,7 +275,7 @@ class Monitor:
 
         if example is not None and model_map is None:
             inspect_model(self.model, example=example)  # trace once now: the interventions reuse the map
-        handle = apply_many(self.model, specs, model_map)
+        handle = apply_many(self.model, specs, model_map, example)
         new = handle.new_parameters()
         if new and self.optimizer is not None:
             self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})

@@ -23,6 +23,7 @@ CROSS_CUTTING = {
     "monitor": "the Monitor as a whole and its wiring (stabkit/monitor.py, lifecycle.py, hooks.py, plugins.py)",
     "docs": "the README's examples, run as written",
     "reliability": "real training scripts, crashes, signals, full disks, odd inputs",
+    "standins": "pure-PyTorch stand-ins for GPU attention libraries and the float64 reference",
 }
 HELPER_FOLDERS = {"dist_workers", "zoo_models", "__pycache__"}  # no tests inside: run or imported by tests
 

@@ -61,7 +61,7 @@ def traced_or_named(
     reason = ""
     ex = as_example(example) if example is not None else None
     if ex is None and not _no_trace_possible(model):
-        ex = synthesize_example(model)
+        ex = synthesize_example(model) or last_example(model)
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
     elif _no_trace_possible(model):
@@ -84,7 +84,7 @@ def traced_or_named(
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
             reason = f"the synthesised example did not run ({type(exc).__name__}: {str(exc)[:120]})"
-            wrapped = _wrapped(model) if isinstance(exc, NotImplementedError) else None
+            wrapped = _wrapped(model) if _no_forward(model) else None
             if wrapped is not None:
                 return wrapped
     try:
@@ -107,7 +107,21 @@ def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
     _complete(model, mmap)
     _warn_unmonitored(mmap)
     _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
+    if not prefix:
+        _EXAMPLES[model] = (args, kwargs)
     return mmap
+
+
+_EXAMPLES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], dict[str, Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+"""model -> the (args, kwargs) of its last traced forward: traced again after an intervention changed
+the model, and used by `stabkit.interventions.verify`, when stabkit cannot make an input itself."""
+
+
+def last_example(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
+    """The inputs discovery last traced `model` on (None when it never traced its own forward)."""
+    return _EXAMPLES.get(model)
 
 
 def _names_for_opaque(model: nn.Module, traced: ModelMap) -> ModelMap:
@@ -135,6 +149,12 @@ def _names_for_opaque(model: nn.Module, traced: ModelMap) -> ModelMap:
     )
     named.found = {"blocks": "named", "attention": "named", "placement": "named", "logits": "traced"}
     return named
+
+
+def _no_forward(model: nn.Module) -> bool:
+    """True for a module without a forward of its own (a wrapper: a LightningModule's training_step
+    calls `self.model`)."""
+    return getattr(type(model), "forward", None) is getattr(nn.Module, "forward", None)
 
 
 def _wrapped(model: nn.Module) -> ModelMap | None:
@@ -236,8 +256,8 @@ def needs_first_forward(model: nn.Module) -> bool:
             return False
         except DiscoveryError:
             return False  # it ran: inspect will say what it saw
-        except NotImplementedError:  # no forward of its own: a wrapper
-            return _wrapped(model) is None
+        except NotImplementedError:  # no forward of its own (a wrapper), or a forward that cannot run here
+            return not _no_forward(model) or _wrapped(model) is None
         except Exception:  # the made-up input does not fit this model: wait for its first forward
             return True
     return True

@@ -62,8 +62,18 @@ class AttentionMap:
     """Traced: per key head, the output features of `k` (or `qkv`) that make it."""
     qk_norm: str | None = None
     """Path of a norm the model applies to q/k itself (its own QK-norm), when traced."""
+    q_weight: str | None = None
+    """Traced: the parameter of the projection op making q, when q is not a module's output
+    (``einsum(x, self.W_Q)`` inside a forward); `q_columns` index its output."""
+    k_weight: str | None = None
+    q_site: str | None = None
+    """The module whose forward makes the q projection op (with `q_weight`)."""
+    k_site: str | None = None
     qk_note: str = ""
     """Why q/k rows are unknown, when they are."""
+    qk_mixed: bool = False
+    """Traced: an op mixes q's or k's features between their projection and the call (a model's own
+    l2 QK-norm, say): q/k are not plain slices of one projection."""
     found: str = "named"
     """How it was found: 'traced' (seen in a forward), 'named' (module names) or 'hint'."""
     output: str | None = None

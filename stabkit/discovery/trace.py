@@ -41,7 +41,7 @@ from torch.overrides import TorchFunctionMode
 from ..attention import kernels
 from ..attention.scope import SDPA, SOFTMAXES
 
-_LINEAR: dict[Callable[..., Any], str] = {
+LINEAR: dict[Callable[..., Any], str] = {
     F.linear: "linear",
     torch.addmm: "addmm",
     torch.Tensor.addmm: "addmm",
@@ -56,6 +56,7 @@ _LINEAR: dict[Callable[..., Any], str] = {
     torch.Tensor.baddbmm: "baddbmm",
     torch.einsum: "einsum",
 }
+"""Linear-like torch functions: a projection when one operand is a parameter (or made from one)."""
 _RMATMUL = torch.Tensor.__rmatmul__
 _MIXING = {
     F.conv1d,
@@ -173,6 +174,8 @@ class Trace:
     """Op indices of token-mixing ops (a product of two activations, a convolution, a cumulative
     sum): how a layer without attention (Mamba, linear attention, a convolution) is told from an MLP."""
     opaque_ops: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    param_like: set[int] = field(default_factory=set)
+    """Ids of parameters and of tensors computed from parameters only (``w.T``, a bias slice)."""
     """(op name, module stack) of custom ops that may be attention kernels stabkit does not know."""
     device_type: str = "cpu"
 
@@ -309,7 +312,7 @@ class _Recorder(TorchFunctionMode):
     def _projection(
         self, func: Callable[..., Any], index: int, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
     ) -> Any:
-        kind = _LINEAR.get(func)
+        kind = LINEAR.get(func)
         if kind is None and func is _RMATMUL:
             kind, args = "matmul", (args[1], args[0])
         if kind is None or not isinstance(out, torch.Tensor) or not out.is_floating_point():
@@ -532,6 +535,7 @@ def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
         recorder,
     ):
         trace.output = model(*args, **kwargs)
+    trace.param_like = recorder.param_like
     return trace
 
 

@@ -91,20 +91,35 @@ class _Builder:
 
     # ------------------------------------------------------------------ helpers
     def module_output_of(self, proj: Projection) -> str | None:
-        """The module whose output is this projection's output (nn.Linear, HF Conv1D), if any."""
+        """The module whose output is this projection's output (nn.Linear, HF Conv1D's addmm + view),
+        if any: reached from the projection through ops of one activation operand each (views, a
+        bias add), never mixed with another activation (an attention module whose q projection is an
+        op inside its forward does not output q)."""
         for call in self.trace.modules:
             if call.path != proj.module or not (call.start <= proj.index < call.end):
                 continue
             if call.output is None:
                 return None
-            if call.output == proj.output or proj.output in self.trace.ancestors(
-                call.output, since=proj.index
-            ):
+            if self._chain(proj.output, call.output, proj.index):
                 shape_in = self.trace.shapes.get(proj.output, ())
                 shape_out = self.trace.shapes.get(call.output, ())
                 if shape_in[-1:] == shape_out[-1:]:
                     return call.path
         return None
+
+    def _chain(self, source: int, node: int, since: int) -> bool:
+        """True when `node` is `source`, or made from it by ops whose only activation operand is it."""
+        t = self.trace
+        for _ in range(64):
+            if node == source:
+                return True
+            if t.created.get(node, -1) < since:
+                return False
+            active = [p for p in t.parents.get(node, ()) if p not in t.param_like]
+            if len(active) != 1:
+                return False
+            node = active[0]
+        return False
 
     def window(self, block: str) -> tuple[int, int, ModuleCall | None]:
         """Op range of the block's (first) forward and its call record (None when it is never called)."""
@@ -161,8 +176,10 @@ class _Builder:
         q_mod, k_mod = self.module_output_of(q.projection), self.module_output_of(k.projection)
         if not (q.plain and k.plain):
             amap.qk_note = "; ".join(notes)
-        elif q_mod is None or k_mod is None:
-            amap.qk_note = "q/k come from an op inside a module's forward, not from a module output"
+            amap.qk_mixed = True
+        elif q_mod is None or k_mod is None:  # projection ops inside a forward: known by their weights
+            amap.q_weight, amap.q_site = q.projection.param, q.projection.module
+            amap.k_weight, amap.k_site = k.projection.param, k.projection.module
         if q_mod is not None and q_mod == k_mod and q.projection.index == k.projection.index:
             amap.qkv = q_mod
             amap.qkv_layout = _layout(q.columns, k.columns)

@@ -7,7 +7,7 @@
 from .handle import Handle, InterventionError, active_interventions
 from .qknorm import HeadNorm, qk_norm_logit_bound, qk_norm_logit_bounds
 from .registry import ORDER, REGISTRY, InterventionSpec, apply, apply_many, describe_registry
-from .softcap import capped_scores
+from .softcap_eager import capped_scores
 from .zloss import z_loss
 
 __all__ = [

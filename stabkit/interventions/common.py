@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from ..discovery import DiscoveryError, LogitsMap, ModelMap, inspect_model
+from ..discovery.modelmap import OPAQUE
 from ..layers import RMSNorm
 from .handle import Handle, InterventionError
 
@@ -22,12 +23,37 @@ QK_NORM_ATTR = "stabkit_qk_norm"
 """Submodule name under an attention module holding the QK-norm gains added by ``qk_norm`` (``.q``, ``.k``)."""
 
 
+NEEDS_TRACE = ("qk_norm", "attn_softcap", "norm_placement")
+"""Interventions that act on every attention call: module names alone may miss some."""
+TRACE_HINT = (
+    "stabkit could not trace a forward of this model (it cannot make an input for it), and module names "
+    "alone can miss attention calls or take the wrong module; pass example=<a batch> to apply"
+)
+
+
 def model_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap | None = None) -> ModelMap:
-    """Discover the roles of `model` (or check `override`), naming `name` in any error."""
+    """Discover the roles of `model` (or check `override`), naming `name` in any error. Without an
+    override, an intervention on attention refuses a map made from names only, or attention
+    computed where stabkit cannot see it (its effect could not be checked)."""
     try:
-        return inspect_model(model, override)
+        mmap = inspect_model(model, override)
     except DiscoveryError as exc:
         raise InterventionError(name, type(model).__name__, str(exc)) from exc
+    if override is None and name in NEEDS_TRACE:
+        opaque = [a.path for a in mmap.attentions if a.impl == OPAQUE]
+        if opaque:
+            raise InterventionError(
+                name,
+                opaque[0],
+                "its attention runs in a kernel stabkit cannot see (register it with "
+                "stabkit.register_kernel), so the change could not be placed or checked",
+            )
+        if mmap.found.get("attention") == "named" or not mmap.blocks:
+            impls = sorted({a.impl for a in mmap.attentions})
+            raise InterventionError(
+                name, type(model).__name__, f"{TRACE_HINT} (attention: {', '.join(impls)})"
+            )
+    return mmap
 
 
 def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap | None = None) -> LogitsMap:
@@ -46,6 +72,8 @@ def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap 
             "no final logits found: the model's output is not computed by a projection after its last "
             "block (pass model_map= with output_head)",
         )
+    if override is None and mmap.logits.found == "named":
+        raise InterventionError(name, type(model).__name__, TRACE_HINT)
     return mmap.logits
 
 
@@ -151,22 +179,45 @@ def map_first(output: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 def norm_eps(norm: nn.Module, default: float = 1e-6) -> float:
     """Epsilon of a LayerNorm / RMSNorm-like module (``eps`` or HF's ``variance_epsilon``)."""
-    for attr in ("eps", "variance_epsilon", "epsilon"):
+    for attr in ("eps", "variance_epsilon", "epsilon", "layer_norm_eps"):
         value = getattr(norm, attr, None)
         if isinstance(value, float | int) and not isinstance(value, bool):
             return float(value)
     return default
 
 
-def norm_width(norm: nn.Module) -> int:
-    """Number of features a norm normalises (last entry of normalized_shape, else its gain's length)."""
+_GAINS = ("weight", "gain", "scale", "gamma", "g", "bias", "beta")
+"""Attributes whose last dim is a norm's width: its gain (or its bias, for a norm without a gain)."""
+_WIDTHS = ("hidden_size", "d_model", "n_embd", "embed_dim", "num_features", "normalized_dim")
+"""Integer attributes that hold a norm's width, in classes that keep neither shape nor gain."""
+
+
+def norm_width(norm: nn.Module, intervention: str = "norm", path: str = "") -> int:
+    """Number of features a norm normalises: the last entry of its ``normalized_shape``, else the last
+    dim of its gain or bias (``weight``/``bias``, also ``gain``/``scale``/``gamma``/``g``/``beta``;
+    nanoGPT's own LayerNorm class keeps only those), else an integer width attribute (``hidden_size``,
+    ...). Raises InterventionError naming `intervention` and `path` when nothing tells it."""
     shape = getattr(norm, "normalized_shape", None)
-    if shape:
-        return int(tuple(shape)[-1])
-    weight = getattr(norm, "weight", None)
-    if isinstance(weight, torch.Tensor):
-        return int(weight.shape[-1])
-    raise ValueError(f"cannot tell the width of {type(norm).__name__}")
+    if isinstance(shape, int) and not isinstance(shape, bool) and shape > 0:
+        return shape
+    if isinstance(shape, tuple | list | torch.Size) and shape:
+        last = shape[-1]
+        if isinstance(last, int) and not isinstance(last, bool) and last > 0:
+            return last
+    for attr in _GAINS:
+        value = getattr(norm, attr, None)
+        if isinstance(value, torch.Tensor) and value.dim() >= 1 and value.shape[-1] > 0:
+            return int(value.shape[-1])
+    for attr in _WIDTHS:
+        value = getattr(norm, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    raise InterventionError(
+        intervention,
+        path or type(norm).__name__,
+        f"cannot tell the width of {type(norm).__name__}: it has no normalized_shape, no gain or bias "
+        "parameter (weight, bias) and no width attribute (hidden_size, ...)",
+    )
 
 
 def _like(module: nn.Module) -> dict[str, Any]:
@@ -176,42 +227,63 @@ def _like(module: nn.Module) -> dict[str, Any]:
 
 def norm_like(intervention: str, norm: nn.Module, path: str, dim: int) -> nn.Module:
     """A fresh norm of the same kind as `norm` over `dim` features, gain 1 and bias 0: a LayerNorm or
-    RMSNorm built anew, any other norm class (HF CohereLayerNorm, T5LayerNorm, ...) copied and reset."""
-    if isinstance(norm, nn.LayerNorm):
+    RMSNorm built anew, any other norm class (HF CohereLayerNorm, T5LayerNorm, nanoGPT's LayerNorm, ...)
+    copied and reset. Raises InterventionError (naming `intervention` and `path`) when the class has
+    no gain of width `dim` to reset or its copy cannot be run."""
+    if isinstance(norm, nn.LayerNorm) and type(norm).forward is nn.LayerNorm.forward:
         new: nn.Module = nn.LayerNorm(
             dim, eps=norm.eps, elementwise_affine=norm.elementwise_affine, bias=norm.bias is not None
         )
-    elif type(norm).__name__ == "RMSNorm" and norm_width(norm) == dim:
+    elif isinstance(norm, nn.RMSNorm) and type(norm).forward is nn.RMSNorm.forward:
+        new = nn.RMSNorm(dim, eps=norm.eps, elementwise_affine=norm.elementwise_affine)
+    elif type(norm).__name__ == "RMSNorm" and norm_width(norm, intervention, path) == dim:
         new = RMSNorm(dim, eps=norm_eps(norm))
     else:
         new = copy.deepcopy(norm)
         weight, bias = getattr(new, "weight", None), getattr(new, "bias", None)
-        if not isinstance(weight, torch.Tensor) or weight.shape[-1] != dim:
+        if not isinstance(weight, torch.Tensor) or weight.dim() < 1 or weight.shape[-1] != dim:
             raise InterventionError(
                 intervention, path, f"norm of type {type(norm).__name__} has no gain of width {dim} to reset"
             )
+        centred = _zero_centred(norm, intervention, path)
         with torch.no_grad():
-            weight.fill_(0.0 if _zero_centred(norm) else 1.0)
+            weight.fill_(0.0 if centred else 1.0)
             if isinstance(bias, torch.Tensor):
                 bias.zero_()
     return new.to(**_like(norm))
 
 
-def _zero_centred(norm: nn.Module) -> bool:
+def _zero_centred(norm: nn.Module, intervention: str = "norm", path: str = "") -> bool:
     """True for norms that scale by (1 + weight) (Gemma): with weight 0 they still output the
-    normalised input. Tried on a copy with a small random input; runs once at apply time."""
+    normalised input. Tried on a copy with a small random input; runs once at apply time. Raises
+    InterventionError when the copy cannot run on a (2, 3, width) input."""
     probe = copy.deepcopy(norm).float().cpu()
     weight = getattr(probe, "weight", None)
-    if not isinstance(weight, torch.Tensor):
+    if not isinstance(weight, torch.Tensor) or weight.dim() < 1:
         return False
     gen = torch.Generator().manual_seed(0)
-    x = torch.randn(2, weight.shape[-1], generator=gen)
+    x = torch.randn(2, 3, weight.shape[-1], generator=gen)
     with torch.no_grad():
         weight.zero_()
         bias = getattr(probe, "bias", None)
         if isinstance(bias, torch.Tensor):
             bias.zero_()
-        return bool(probe(x).abs().max() > 1e-3)
+        try:
+            y = probe(x)
+        except Exception as exc:  # a norm class whose forward wants other inputs
+            raise InterventionError(
+                intervention,
+                path or type(norm).__name__,
+                f"a copy of {type(norm).__name__} could not be checked on a (2, 3, {weight.shape[-1]}) "
+                f"input ({type(exc).__name__}: {exc})",
+            ) from exc
+        if not isinstance(y, torch.Tensor):
+            raise InterventionError(
+                intervention,
+                path or type(norm).__name__,
+                f"{type(norm).__name__} returns a {type(y).__name__}, not a tensor",
+            )
+        return bool(y.abs().max() > 1e-3)
 
 
 def keep_slow_path(handle: Handle, model: nn.Module, path: str) -> None:

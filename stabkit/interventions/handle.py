@@ -48,6 +48,9 @@ class Handle:
         self._params: list[nn.Parameter] = []
         self._metrics: Callable[[], dict[str, torch.Tensor]] | None = None
         self._removed = False
+        self.counts: dict[str, int] = {}
+        """Calls the intervention changed, per module path (host counters, no sync): what
+        `stabkit.interventions.verify` checks after a forward."""
 
     # ---------------------------------------------------------------- building (apply time)
     def on_remove(self, undo: Callable[[], None]) -> None:
@@ -57,6 +60,10 @@ class Handle:
     def add_parameters(self, params: Iterable[nn.Parameter]) -> None:
         """Record parameters this intervention created (they are already registered on the model)."""
         self._params.extend(params)
+
+    def count(self, where: str) -> None:
+        """Called by an intervention's forward-time handler each time it changes a call at `where`."""
+        self.counts[where] = self.counts.get(where, 0) + 1
 
     def set_metrics(self, fn: Callable[[], dict[str, torch.Tensor]]) -> None:
         """Set the function that returns this intervention's latest metrics."""

@@ -28,6 +28,7 @@ from ..discovery.roles import out_features
 from .common import QK_NORM_ATTR, add_module, keep_hook, model_map, norm_eps, swap_module
 from .handle import Handle, InterventionError
 from .mha import patch_mha
+from .qknorm_routes import hook_at_call, hook_weight_ops, normalise_columns
 
 NAME = "qk_norm"
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -112,8 +113,19 @@ def apply_qk_norm(
             if isinstance(attn, nn.MultiheadAttention):
                 add_module(handle, NAME, attn, a.path, QK_NORM_ATTR, norms)
                 patch_mha(handle, model, a.path, NAME)
-            elif a.q_columns is not None and a.k_columns is not None:
+            elif (
+                a.q_columns is not None
+                and a.k_columns is not None
+                and not a.qk_note
+                and (a.qkv or (a.q and a.k))
+            ):
                 _hook_traced(handle, model, a, norms)
+            elif a.q_weight and a.k_weight and a.q_columns is not None and a.k_columns is not None:
+                _own(handle, model, a, norms)
+                hook_weight_ops(handle, model, a, norms.q, norms.k, NAME)
+            elif a.found == "traced" and not a.qk_mixed and _at_call(a.impl):
+                _own(handle, model, a, norms)
+                hook_at_call(handle, model, a, norms.q, norms.k, NAME)
             elif a.qk_note:
                 raise InterventionError(NAME, a.path, f"q/k rows unknown: {a.qk_note}")
             elif a.qkv:
@@ -129,6 +141,17 @@ def apply_qk_norm(
         handle.remove()
         raise
     return handle
+
+
+def _at_call(impl: str) -> bool:
+    """Attention whose q and k can be normalised at the call: SDPA, eager q·kᵀ, a known kernel."""
+    return impl in ("sdpa", "eager") or impl.startswith("kernel:")
+
+
+def _own(handle: Handle, model: nn.Module, a: Any, norms: QKNorm) -> None:
+    """Register the gains under the attention module (the root when attention is computed there)."""
+    owner = model.get_submodule(a.path) if a.path else model
+    add_module(handle, NAME, owner, a.path or type(model).__name__, QK_NORM_ATTR, norms)
 
 
 def _refuse_if_normed(a: Any, attn: nn.Module) -> None:
@@ -169,10 +192,7 @@ def _columns_hook(pairs: list[tuple[HeadNorm, list[int]]]) -> Any:
             index = cache[out.device] = [torch.tensor(i, device=out.device) for _, i in pairs]
         y = out
         for (norm, cols), idx in zip(pairs, index):
-            if cols == list(range(out.shape[-1])):
-                y = norm(y)  # (..., H·hd): the whole output, in head order
-            else:
-                y = y.index_copy(y.dim() - 1, idx, norm(y.index_select(y.dim() - 1, idx)))
+            y = normalise_columns(y, norm, cols, idx)
         return y
 
     return hook

@@ -15,11 +15,15 @@ from typing import Any, Union
 
 from torch import nn
 
+from ..discovery import DiscoveryError, inspect_model
+from ..discovery.discover import last_example
+from ..discovery.examples import synthesize_example
 from .handle import Handle, InterventionError, active_interventions, remember
 from .placement import PLACEMENTS, apply_norm_placement
 from .qknorm import NORM_KINDS, apply_qk_norm
 from .rmsnorm import apply_rmsnorm
 from .softcap import apply_attn_softcap, apply_logit_softcap
+from .verify import verify
 from .zloss import apply_z_loss
 
 
@@ -138,9 +142,12 @@ def apply_many(
     model: nn.Module,
     specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]],
     model_map: Any = None,
+    example: Any = None,
 ) -> Handle:
     """Apply several interventions (names, ``(name, options)`` pairs, or a ``{name: options}`` dict)
-    in canonical order and return one handle (the intervention's own handle when there is one)."""
+    in canonical order and return one handle (the intervention's own handle when there is one).
+    With an example input (given, made by discovery, or the one it last traced), one forward checks
+    that each is in effect (`stabkit.interventions.verify`)."""
     items = _normalise(specs)
     names = [n for n, _ in items]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -153,19 +160,27 @@ def apply_many(
                 name, type(model).__name__, "already active on this model (remove it first)"
             )
     items.sort(key=lambda item: ORDER.index(item[0]))
+    if example is not None and model_map is None:
+        try:
+            inspect_model(model, example=example)  # trace on it: the interventions read this map
+        except DiscoveryError as exc:
+            raise InterventionError(names[0], type(model).__name__, str(exc)) from exc
     done: list[Handle] = []
     try:
         for name, options in items:
             handle = REGISTRY[name].factory(model, model_map_override=model_map, **options)
             remember(model, name, handle)
             done.append(handle)
+        ex = example if example is not None else synthesize_example(model) or last_example(model)
+        if ex is not None:
+            verify(model, dict(zip([n for n, _ in items], done, strict=True)), ex)
     except BaseException:
         for handle in reversed(done):
             handle.remove()
         raise
     if len(done) == 1:
         return done[0]
-    return Handle(model, [n for h in done for n in h.names], children=done)
+    return Handle(model, [n for n, _ in items], done)
 
 
 def apply(
@@ -173,6 +188,7 @@ def apply(
     name: str | Iterable[Spec] | Mapping[str, Mapping[str, Any]],
     *,
     model_map: Any = None,
+    example: Any = None,
     **options: Any,
 ) -> Handle:
     """Switch on intervention `name` with `options` (``apply(model, "attn_softcap", cap=30)``), or
@@ -180,13 +196,17 @@ def apply(
 
     Returns a Handle: ``remove()`` restores the model exactly; ``new_parameters()`` lists added gains
     (``optimizer.add_param_group({"params": handle.new_parameters()})``); ``metrics()`` gives values
-    to log. Raises InterventionError (a ValueError) naming the intervention, the module and what is
-    missing when it cannot apply, and for unknown names or options. `model_map` overrides discovery.
+    to log. Discovery traces one forward to find where to act — on `example` (a batch: a tensor, a
+    tuple, a dict of keyword inputs, or an (args, kwargs) pair) when stabkit cannot make an input for
+    the model — and one more forward checks the result is in effect. Raises InterventionError (a
+    ValueError) naming the intervention, the module and what is missing when it cannot apply or is
+    not in effect, when only module names are known where a traced forward is needed (pass
+    `example`), and for unknown names or options. `model_map` overrides discovery.
     """
     if isinstance(name, str):
-        return apply_many(model, [(name, options)], model_map)
+        return apply_many(model, [(name, options)], model_map, example)
     if options:
         raise InterventionError(
             "apply", "", "with several interventions, pass options per entry: [(name, {option: value})]"
         )
-    return apply_many(model, name, model_map)
+    return apply_many(model, name, model_map, example)

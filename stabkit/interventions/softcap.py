@@ -5,16 +5,19 @@
 - SDPA attention (reference GPT, nanoGPT, HF ``attn_implementation="sdpa"``): calls to
   ``F.scaled_dot_product_attention`` made while the attention module runs are replaced by the math
   path of `stabkit.attention.math` with the cap (a scoped function mode, `stabkit.attention.scope`);
-- eager attention (HF ``"eager"``, nanoGPT without flash): the softmax input inside the attention
-  module is capped. The mask has already been added there, so only unmasked entries are capped:
-  entries at or below ``finfo.min / 2`` (masked with ``finfo.min``) or ``-inf`` are left as they are;
+- eager attention (HF ``"eager"``, nanoGPT without flash): the q·kᵀ logits are capped before any
+  additive bias, as on the SDPA path (`stabkit.interventions.softcap_eager`); masked entries (at or
+  below ``finfo.min / 2``, or ``-inf``) are left as they are;
+- a known kernel with a soft-cap argument (flash-attn ≥ 2.6 ``softcap``, FlexAttention ``score_mod``):
+  through that argument; a kernel without one (xformers, Transformer Engine) is refused by name;
 - ``nn.MultiheadAttention``: the decomposed forward of `stabkit.interventions.mha` calls SDPA visibly,
   which is then intercepted as above.
 
 Each capped attention module carries ``_stabkit_attn_softcap = cap`` (read by the attention probe).
 The scope is *outer* (pre-hook prepended), so an attention probe attached with ``outer=False`` sees
-the raw call before the cap. If a capped module ever runs without making an intercepted call, the
-forward raises InterventionError (never a silent no-op).
+the raw call before the cap (on the eager path it sees the capped softmax input). `apply` checks one
+forward that every capped module made a capped call (`stabkit.interventions.verify`); a module that
+later runs without one is named in a warning (training goes on).
 
 ``logit_softcap`` caps the output head's output with a forward hook (prepended, so a z-loss hook on
 the same head sees capped logits).
@@ -22,17 +25,20 @@ the same head sees capped logits).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
+from ..attention import kernels
 from ..attention.math import SDPAArgs
-from ..attention.scope import SDPA, SOFTMAXES, Handler, attach_scope
+from ..attention.scope import SDPA, Handler, attach_scope
 from .common import keep_hook, logits_map, model_map, set_attr, warn_internal_loss
 from .handle import Handle, InterventionError
 from .mha import SOFTCAP_ATTR, patch_mha
+from .softcap_eager import EagerCap
 
 ATTN = "attn_softcap"
 LOGIT = "logit_softcap"
@@ -46,38 +52,79 @@ def _check_cap(name: str, cap: float) -> float:
     return float(cap)
 
 
-def capped_scores(x: torch.Tensor, cap: float) -> torch.Tensor:
-    """Cap the unmasked entries of masked attention logits; masked ones (<= finfo.min/2, -inf) stay."""
-    threshold = torch.finfo(x.dtype).min / 2
-    return torch.where(x > threshold, cap * torch.tanh(x / cap), x)
-
-
-def _sdpa_handler(cap: float) -> Handler:
+def _sdpa_handler(cap: float, handle: Handle) -> Handler:
     def handler(path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        handle.count(path)
         return SDPAArgs.from_call(args, kwargs).run(softcap=cap)
 
     return handler
 
 
-def _softmax_handler(cap: float) -> Handler:
-    def handler(path: str, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        x = args[0] if args else kwargs.get("input")
-        dim = args[1] if len(args) > 1 else kwargs.get("dim")
-        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 4 or dim not in (-1, 3):
-            return func(*args, **kwargs)  # not attention weights (e.g. an MoE router inside the scope)
-        return func(capped_scores(x, cap), *args[1:], **kwargs)
+def _kernel_resolver(cap: float, handle: Handle) -> Callable[[Any], Handler | None]:
+    """Cap a known kernel's call through its own soft-cap argument (flash-attn's ``softcap``,
+    FlexAttention's ``score_mod``)."""
 
-    return handler
+    def resolve(func: Any) -> Handler | None:
+        kernel = kernels.lookup(func)
+        if kernel is None or kernel.cap is None:
+            return None
+        rewrite = kernel.cap
+
+        def handler(path: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+            bound = kernels.bind(kernel, fn, args, kwargs)
+            rewrite(bound.arguments, cap)
+            handle.count(path)
+            return kernels.recall(fn, bound)
+
+        return handler
+
+    return resolve
 
 
-def _check_called(path: str, handled: int, output: Any) -> None:
-    if output is not None and handled == 0:
-        raise InterventionError(
-            ATTN,
-            path,
-            "the module ran without calling scaled_dot_product_attention or softmax, so the cap was not "
-            "applied; its attention implementation is not supported (use SDPA or eager attention)",
-        )
+def _warn_uncapped(handle: Handle) -> Callable[[str, int, Any], None]:
+    """After a capped module's forward: warn once if it made no call that could be capped (the
+    apply-time check makes this rare: the module's code changed since)."""
+    said: set[str] = set()
+
+    def on_exit(path: str, handled: int, output: Any) -> None:
+        if output is not None and handled == 0 and path not in said:
+            said.add(path)
+            warnings.warn(
+                f"stabkit: attn_softcap: {path!r} ran without a call stabkit could cap; its logits are not "
+                "capped in this forward",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
+    return on_exit
+
+
+def _route(a: Any, attn: nn.Module) -> str:
+    """How an attention module is capped: 'mha', 'sdpa', 'eager' or 'kernel'; refusal otherwise."""
+    if isinstance(attn, nn.MultiheadAttention):
+        return "mha"
+    if a.impl in SDPA_IMPLS:
+        return "sdpa"
+    if a.impl in EAGER_IMPLS:
+        return "eager"
+    if a.impl.startswith("kernel:"):
+        kernel = kernels.KERNELS.get(a.impl.partition(":")[2])
+        if kernel is None or kernel.cap is None:
+            library = kernel.library if kernel is not None else a.impl
+            raise InterventionError(
+                ATTN,
+                a.path,
+                f"its attention runs in {library} ({a.impl.partition(':')[2]}), which has no soft-cap "
+                "argument, and stabkit cannot cap logits inside a fused kernel (flash-attn >= 2.6 and "
+                "FlexAttention can be capped)",
+            )
+        return "kernel"
+    raise InterventionError(
+        ATTN,
+        a.path,
+        f"attention implementation {a.impl!r} cannot be intercepted; supported: SDPA, eager softmax "
+        "attention, nn.MultiheadAttention, flash-attn and FlexAttention (pass example= to trace a forward)",
+    )
 
 
 def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: Any = None) -> Handle:
@@ -87,8 +134,7 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
     cap = _check_cap(ATTN, cap)
     mmap = model_map(model, ATTN, model_map_override)
     handle = Handle(model, [ATTN])
-    sdpa_paths: list[str] = []
-    eager_paths: list[str] = []
+    routes: dict[str, list[str]] = {"sdpa": [], "eager": [], "kernel": []}
     try:
         for a in {a.path: a for a in mmap.attentions}.values():
             attn = model.get_submodule(a.path)
@@ -96,30 +142,37 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
             hf_cap = getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
             if getattr(attn, SOFTCAP_ATTR, None) is not None or own is not None or hf_cap is not None:
                 raise InterventionError(ATTN, a.path, "its attention logits are soft-capped already")
-            if isinstance(attn, nn.MultiheadAttention):
+            route = _route(a, attn)
+            if route == "mha":
                 patch_mha(handle, model, a.path, ATTN)
-                sdpa_paths.append(a.path)
-            elif a.impl in SDPA_IMPLS:
-                sdpa_paths.append(a.path)
-            elif a.impl in EAGER_IMPLS:
-                eager_paths.append(a.path)
-            else:
-                raise InterventionError(
-                    ATTN,
-                    a.path,
-                    f"attention implementation {a.impl!r} cannot be intercepted; supported: SDPA, eager "
-                    "softmax attention and nn.MultiheadAttention (pass example= to trace a forward)",
-                )
+                route = "sdpa"
+            routes[route].append(a.path)
             set_attr(handle, attn, SOFTCAP_ATTR, cap)
-        if sdpa_paths:
+        on_exit = _warn_uncapped(handle)
+        if routes["sdpa"] or routes["kernel"]:
+            paths = routes["sdpa"] + routes["kernel"]
             scope = attach_scope(
-                model, sdpa_paths, {SDPA: _sdpa_handler(cap)}, outer=True, on_exit=_check_called
+                model,
+                paths,
+                {SDPA: _sdpa_handler(cap, handle)},
+                outer=True,
+                on_exit=on_exit,
+                resolve=_kernel_resolver(cap, handle),
             )
             keep_hook(handle, scope)
-        if eager_paths:
-            handler = _softmax_handler(cap)
-            functions = dict.fromkeys(SOFTMAXES, handler)
-            keep_hook(handle, attach_scope(model, eager_paths, functions, outer=True, on_exit=_check_called))
+            keep_hook(handle, kernels.install())
+        if routes["eager"]:
+            eager = EagerCap(cap, handle)
+
+            def end(path: str, handled: int, output: Any) -> None:
+                eager.end(path)
+                on_exit(path, handle.counts.get(path, 0), output)
+
+            scope = attach_scope(
+                model, routes["eager"], eager.functions(), outer=True, on_exit=end, resolve=eager.resolve
+            )
+            keep_hook(handle, scope)
+        handle.capped_paths = [p for paths in routes.values() for p in paths]  # type: ignore[attr-defined]
     except BaseException:
         handle.remove()
         raise

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..discovery.trace import tracing
 from .common import keep_hook, logits_map, warn_internal_loss
 from .handle import Handle, InterventionError
 
@@ -68,7 +69,8 @@ def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any =
             )
         with torch.no_grad():
             lse = torch.logsumexp(logits.detach().float(), dim=-1, keepdim=True)  # (..., 1)
-            last[METRIC] = coef * lse.pow(2).mean()
+            if not tracing():  # discovery's or the apply-time check's forward is not a training step
+                last[METRIC] = coef * lse.pow(2).mean()
         if not (torch.is_grad_enabled() and logits.requires_grad) or coef == 0:
             return None
         warn_internal_loss(NAME, where.path, output)

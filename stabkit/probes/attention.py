@@ -34,8 +34,9 @@ With a soft cap, also ``attn/p/max_logit_capped``:
 - cap set by the ``attn_softcap`` intervention (attribute ``_stabkit_attn_softcap``): the probe sees
   the raw call, so ``max_logit`` is the raw value, ``max_logit_capped = cap·tanh(max_logit/cap)``
   (exact: tanh is monotone), and the entropy is that of the capped distribution;
-- cap computed by the model itself before an eager softmax (reference GPT ``attn_softcap``,
-  ``module.softcap``; HF ``attn_logit_softcapping``): only the capped logits are visible, so
+- cap computed before an eager softmax, by the model itself (reference GPT ``attn_softcap``,
+  ``module.softcap``; HF ``attn_logit_softcapping``) or by ``attn_softcap`` on eager attention (it caps
+  before the bias): only the capped logits are visible, so
   ``max_logit_capped`` is measured and ``max_logit`` is recovered by inverting the cap (exact up to
   float32 rounding while |logit| < ~8·cap, a lower bound beyond).
 
@@ -231,8 +232,10 @@ class AttentionProbe(Probe):
         # no outer mode (e.g. a soft-capping one) sees the probe's own ops; no autocast to low precision
         with torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast(args, kwargs):
             call = reader(args, kwargs)
-            seen_capped = model_cap(module) if func in SOFTMAXES else None
-            applied_cap = None if seen_capped else _number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            intervention_cap = _number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            # an eager softmax input is capped already (by the model, or by attn_softcap before the bias)
+            seen_capped = (model_cap(module) or intervention_cap) if func in SOFTMAXES else None
+            applied_cap = None if seen_capped else intervention_cap
             if isinstance(call, QKCall) and call.softcap is not None:
                 applied_cap = call.softcap  # the kernel caps through its own argument
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)

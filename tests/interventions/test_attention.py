@@ -227,35 +227,55 @@ def test_attn_softcap_eager_equals_sdpa_with_padding(family: str) -> None:
 def test_attn_softcap_eager_caps_only_unmasked_entries() -> None:
     torch.manual_seed(0)
     model = _loud(zoo.hf_llama("eager")).eval()
-    raw: list[torch.Tensor] = []
-    capped: list[torch.Tensor] = []
+    seen: list[torch.Tensor] = []
 
-    def record(into: list[torch.Tensor]) -> Any:
-        def handler(path: str, func: Any, args: tuple, kwargs: dict) -> Any:
-            into.append(args[0].detach().clone())
-            return func(*args, **kwargs)
-
-        return handler
+    def record(path: str, func: Any, args: tuple, kwargs: dict) -> Any:
+        seen.append(args[0].detach().clone())
+        return func(*args, **kwargs)
 
     paths = [f"model.layers.{i}.self_attn" for i in range(2)]
-    inner = attach_scope(model, paths, dict.fromkeys(SOFTMAXES, record(raw)), outer=False)
-    apply(model, "attn_softcap", cap=0.3)
-    raw.clear()  # discovery traced one forward while applying; only the next forward counts
-    outer = attach_scope(model, paths, dict.fromkeys(SOFTMAXES, record(capped)), outer=True)  # outermost
     idx, _ = zoo.batch(0)
     mask = torch.ones_like(idx)
     mask[0, :3] = 0
-    model(idx, attention_mask=mask)
-    inner.remove()
-    outer.remove()
-    assert len(raw) == len(capped) == 2
-    for x, y in zip(raw, capped, strict=True):
+    with attach_scope(model, paths, dict.fromkeys(SOFTMAXES, record), outer=False):
+        model(idx, attention_mask=mask)
+        raw = list(seen)
+        apply(model, "attn_softcap", cap=0.3)
+        seen.clear()  # the apply-time check ran one forward; only the next one counts
+        model(idx, attention_mask=mask)
+    assert len(raw) == len(seen) == 2
+    for x, y in zip(raw[:1], seen[:1], strict=True):  # layer 0's softmax input without and with the cap
         masked = x <= torch.finfo(x.dtype).min / 2
         assert masked.any() and (~masked).any()
         assert torch.equal(y[masked], x[masked])  # masked entries untouched (not -cap)
         torch.testing.assert_close(y[~masked], 0.3 * torch.tanh(x[~masked] / 0.3))
         assert y[~masked].abs().max() <= 0.3
         assert x[~masked].abs().max() > 0.3  # the cap did bite
+
+
+def test_attn_softcap_caps_before_an_additive_bias_in_eager_as_in_sdpa() -> None:
+    """T5 adds a relative-position bias to q·kᵀ: the cap sits before it on both paths."""
+    outs = []
+    for impl in ("eager", "sdpa"):
+        torch.manual_seed(0)
+        from transformers import T5Config, T5ForConditionalGeneration
+
+        cfg = T5Config(
+            vocab_size=zoo.VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
+            dropout_rate=0.0, decoder_start_token_id=0, attn_implementation=impl,
+        )  # fmt: skip
+        model = _loud(T5ForConditionalGeneration(cfg), 2.0).eval()
+        idx, _ = zoo.batch(0)
+        example = {"input_ids": idx, "decoder_input_ids": idx[:, :6], "use_cache": False}
+        with torch.no_grad():
+            before = model(**example).logits
+            handle = apply(model, "attn_softcap", cap=0.5, example=example)
+            outs.append((before, model(**example).logits))
+        handle.remove()
+    (eager_before, eager), (sdpa_before, sdpa) = outs
+    torch.testing.assert_close(eager_before, sdpa_before, rtol=1e-3, atol=1e-3)  # fused vs eager rounding
+    assert (eager - eager_before).abs().max() > 1e-1  # the cap bites
+    torch.testing.assert_close(eager, sdpa, rtol=1e-6, atol=1e-6)  # capped before the bias on both paths
 
 
 @pytest.mark.parametrize("family", ["nanogpt", "encoder"])
@@ -284,8 +304,8 @@ def test_attn_softcap_sdpa_route_equals_capped_materialised_logits(family: str) 
 def test_attn_softcap_refuses_what_it_cannot_reach() -> None:
     model = zoo.hf_llama("sdpa")
     model.config._attn_implementation = "flex_attention"
-    with pytest.raises(InterventionError, match=r"attn_softcap.*model\.layers\.0\.self_attn.*flex_attention"):
-        apply(model, "attn_softcap")
+    with pytest.raises(InterventionError, match=r"attn_softcap.*example=.*hf:flex_attention"):
+        apply(model, "attn_softcap")  # FlexAttention cannot run a gradient forward on a CPU: no trace
     assert not hasattr(model.model.layers[0].self_attn, "_stabkit_attn_softcap")
     with pytest.raises(InterventionError, match="soft-capped already"):
         apply(zoo.reference_gpt(attn_softcap=20.0), "attn_softcap")
@@ -308,9 +328,9 @@ def test_attn_softcap_raises_when_nothing_was_intercepted() -> None:
     model = zoo.NanoGPT()
     for block in model.transformer.h:
         block.attn = _NoSoftmaxAttention(32, 4)
-    apply(model, "attn_softcap")
-    with pytest.raises(InterventionError, match="ran without calling"):
-        model(zoo.batch(0)[0])
+    with pytest.raises(InterventionError, match=r"attn_softcap.*transformer\.h\.0\.attn.*cannot see"):
+        apply(model, "attn_softcap")  # refused at apply: the traced forward made no call to cap
+    assert not hasattr(model.transformer.h[0].attn, "_stabkit_attn_softcap")
     assert torch._C._len_torch_function_stack() == 0
 
 

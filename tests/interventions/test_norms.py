@@ -168,10 +168,21 @@ def test_post_on_unknown_wiring_is_refused() -> None:
             h = self.norm(x)
             return x + self.self_attention(h, h, h)[0]
 
-    model = nn.Sequential()
-    model.layers = nn.ModuleList([Block(), Block()])
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Block(), Block()])
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = layer(x)
+            return x
+
+    model = Model()
+    with pytest.raises(InterventionError, match=r"norm_placement.*example="):
+        apply(model, "norm_placement", to="post")  # names only: refused, a trace is needed
     with pytest.raises(InterventionError, match=r"norm_placement.*layers\.0.*residual wiring"):
-        apply(model, "norm_placement", to="post")
+        apply(model, "norm_placement", to="post", example=torch.randn(2, 5, 8))
 
 
 # ---------------------------------------------------------------- rmsnorm

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,14 +54,28 @@ STANDIN_PACKAGES = (
     "transformer_engine",
     "transformer_engine.pytorch",
 )
-_TOP_LEVEL = ("_standin_attention_math", "flash_attn", "flash_attn_interface", "flash_attn_3", "xformers", "transformer_engine")
+_TOP_LEVEL = (
+    "_standin_attention_math",
+    "flash_attn",
+    "flash_attn_interface",
+    "flash_attn_3",
+    "xformers",
+    "transformer_engine",
+)
 
-_saved: dict[str, ModuleType] = {}
+# Modules taken out by uninstall(), put back by install(). tests/conftest.py puts tests/ on sys.path, so
+# this package can be imported twice (as `tests.standins` and as `standins`); both copies share one dict,
+# since importing the stand-ins afresh would register their torch ops a second time (an error).
+_twin = sys.modules.get("standins" if __name__ == "tests.standins" else "tests.standins")
+_saved: dict[str, ModuleType] = getattr(_twin, "_saved", {})
+
+
+_PREFIX = str(PACKAGES_DIR) + os.sep
 
 
 def _is_standin(module: ModuleType | None) -> bool:
-    file = getattr(module, "__file__", None)
-    return file is not None and Path(file).resolve().is_relative_to(PACKAGES_DIR)
+    file = getattr(module, "__dict__", {}).get("__file__")  # no __getattr__ side effects (lazy modules)
+    return isinstance(file, str) and file.startswith(_PREFIX)
 
 
 def is_installed() -> bool:
@@ -76,7 +91,9 @@ def install() -> None:
     for name in _TOP_LEVEL:
         module = sys.modules.get(name)
         if module is not None and not _is_standin(module):
-            raise RuntimeError(f"the real `{name}` is already imported ({module!r}); cannot install its stand-in")
+            raise RuntimeError(
+                f"the real `{name}` is already imported ({module!r}); cannot install its stand-in"
+            )
     path = str(PACKAGES_DIR)
     if path in sys.path:
         sys.path.remove(path)

@@ -19,7 +19,14 @@ models take their flash-specific branches):
   "flash_attention_2") before every call. This touches private globals of transformers (checked with
   transformers 5.24); it is the one non-public step.
 
-The stand-ins are installed (``tests.standins.install()``) by these helpers and stay installed.
+``hf_model_with_flash_standin`` installs the stand-ins (``tests.standins.install()``) and leaves them installed;
+wrap it in ``tests.standins.installed()`` to have them removed again. Models built this way keep working after
+an uninstall (transformers holds the stand-in functions).
+
+Also checked (transformers 5.24, torch 2.13 CPU): ``attn_implementation="flex_attention"`` runs transformers' own
+flex path on CPU for forward passes without gradients only — it always goes through ``torch.compile`` (about 40 s
+for the first call of a 2-layer model here) and torch raises "FlexAttention does not support backward on CPU" for
+any input that requires grad, so no helper is provided for it.
 """
 
 from __future__ import annotations
@@ -40,7 +47,10 @@ def _loaded_functions() -> tuple[Any, ...]:
     from transformers import modeling_flash_attention_utils as mfau
 
     fns = (flash_attn_func, flash_attn_varlen_func, flash_attn_with_kvcache, pad_input, unpad_input)
-    process = (mfau._lazy_define_process_function(flash_attn_varlen_func), mfau._lazy_define_process_function(flash_attn_with_kvcache))
+    process = (
+        mfau._lazy_define_process_function(flash_attn_varlen_func),
+        mfau._lazy_define_process_function(flash_attn_with_kvcache),
+    )
     return fns, process
 
 
@@ -80,6 +90,7 @@ def hf_model_with_flash_standin(config_cls, model_cls, *, attn_name: str = DEFAU
     Example: ``hf_model_with_flash_standin(LlamaConfig, LlamaForCausalLM, hidden_size=32, intermediate_size=64,
     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=96)``. Nothing is downloaded.
     """
+    install()
     name = register_flash_standin(attn_name)
     cfg = config_cls(**config)
     cfg._attn_implementation = name

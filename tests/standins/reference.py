@@ -32,7 +32,7 @@ An entry is *allowed* when every given rule allows it. For allowed entries:
 
 - raw logit x = (q·k)·scale, scale defaulting to 1/sqrt(E);
 - score = softcap·tanh(x / softcap) if softcap > 0 else x; then + alibi bias (-slope·|d - j|,
-  ``alibi_slopes`` (H,) or (B, H)); then + the additive ``attn_mask``; then
+  ``alibi_slopes`` (H,), or (B, H) — (documents, H) for varlen, as flash-attn's batch is the document); then + the additive ``attn_mask``; then
   score = score_mod(score, b, h, q_idx, kv_idx) with FlexAttention's signature, called once per entry
   with 0-dim int64 tensors (q_idx / kv_idx are positions in the (packed) tensor);
 - p = softmax over the row's allowed entries, plus one extra "sink" column with logit ``sinks[h]`` when
@@ -126,15 +126,23 @@ def reference_masks(
     shape = (b_size, h_size, l_size, s_size)
     allowed = torch.zeros(shape, dtype=torch.bool)
     bias = torch.zeros(shape, dtype=torch.float64)
-    for b, q0, q1, k0, k1 in _documents(b_size, l_size, s_size, cu_seqlens_q, cu_seqlens_k):
+    for doc, (b, q0, q1, k0, k1) in enumerate(_documents(b_size, l_size, s_size, cu_seqlens_q, cu_seqlens_k)):
         lq, sk = q1 - q0, k1 - k0
+        slopes = None
+        if alibi_slopes is not None:
+            slopes = (
+                alibi_slopes
+                if alibi_slopes.dim() == 1
+                else alibi_slopes[doc if cu_seqlens_q is not None else b]
+            )
         offset = sk - lq if causal_align == "bottom_right" else 0
         for i in range(lq):
             for j in range(sk):
-                ok = _rule_allows(i, j, lq, sk, causal=causal, causal_align=causal_align, window=window, chunk=chunk)
+                ok = _rule_allows(
+                    i, j, lq, sk, causal=causal, causal_align=causal_align, window=window, chunk=chunk
+                )
                 allowed[b, :, q0 + i, k0 + j] = ok
-                if alibi_slopes is not None:
-                    slopes = alibi_slopes[b] if alibi_slopes.dim() == 2 else alibi_slopes
+                if slopes is not None:
                     for h in range(h_size):
                         bias[b, h, q0 + i, k0 + j] = -float(slopes[h]) * abs(i + offset - j)
     if attn_mask is not None:
@@ -194,7 +202,9 @@ def _row_softmax(s, allowed, sinks):
                 if sinks is not None:
                     logits = torch.cat([logits, sinks[h].to(torch.float64).reshape(1)])
                 p = torch.exp(logits - torch.logsumexp(logits, 0))
-                full = torch.zeros_like(row).masked_scatter(allowed[b, h, i], p[: int(allowed[b, h, i].sum())])
+                full = torch.zeros_like(row).masked_scatter(
+                    allowed[b, h, i], p[: int(allowed[b, h, i].sum())]
+                )
                 probs_rows.append(full)
                 sink_rows.append(p[-1] if sinks is not None else torch.zeros((), dtype=s.dtype))
     probs = torch.stack(probs_rows).reshape(s.shape)

@@ -30,4 +30,4 @@ def read_aten(a: Mapping[str, Any]) -> QKCall:
     return sdpa_call(a["query"], a["key"], mask, bool(a.get("is_causal")), a.get("scale"))
 
 
-ATEN = add(Kernel("aten_sdpa", "PyTorch aten SDPA ops", read_aten, ops=OPS))
+ATEN = add(Kernel("aten_sdpa", "PyTorch aten SDPA ops", read_aten, ops=OPS, qk=("query", "key")))

@@ -49,6 +49,9 @@ class Kernel:
     """Parameter names, for entry points without a schema or signature stabkit can read (higher-order ops)."""
     cap: CapRewrite | None = None
     """How to soft-cap through the kernel's own argument; None when the kernel has none."""
+    qk: tuple[str, str] = ("q", "k")
+    """Names of the query and key arguments (their last dim is the head dim, whatever the layout):
+    where ``qk_norm`` normalises them at the call."""
 
     def describe(self) -> str:
         """One line for ``stabkit list kernels`` and the README."""

@@ -178,7 +178,8 @@ def register_kernel(
         sinks=sinks,
         cu_seqlens=cu_seqlens,
     )
-    kernel = add(Kernel(name or default, "registered", reader, ops=ops, functions=functions, cap=cap))
+    qk = (q if isinstance(q, str) else "", k if isinstance(k, str) else "")
+    kernel = add(Kernel(name or default, "registered", reader, ops=ops, functions=functions, cap=cap, qk=qk))
     if entry_points.active():
         entry_points.install().remove()  # wrap it now for the monitors already attached
     return kernel

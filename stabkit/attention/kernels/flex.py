@@ -109,5 +109,6 @@ FLEX = add(
         ops=("higher_order::flex_attention",),
         params=PARAMS,
         cap=cap_score_mod,
+        qk=("query", "key"),
     )
 )

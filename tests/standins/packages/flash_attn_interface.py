@@ -34,6 +34,7 @@ NotImplementedError; scheduler_metadata / num_splits / pack_gqa / sm_margin (per
 accepted and ignored; ``out_accum`` / ``softmax_lse_accum`` are always empty.
 """
 
+# ruff: noqa: RUF005, RUF059  (autograd Functions kept as in the real source)
 from __future__ import annotations
 
 import math
@@ -80,11 +81,20 @@ def _rows(x, varlen, start, n):
 
 def _doc_allowed(sq, sk, causal, left, right, chunk, device):
     return window_mask(
-        sq, sk, offset=sk - sq, causal=causal, window_left=left, window_right=right, chunk=chunk, device=device
+        sq,
+        sk,
+        offset=sk - sq,
+        causal=causal,
+        window_left=left,
+        window_right=right,
+        chunk=chunk,
+        device=device,
     )
 
 
-def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, left, right, chunk, softcap):
+def _forward_impl(
+    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, left, right, chunk, softcap
+):
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     batch_size = cu_seqlens_q.numel() - 1 if varlen_q else q.shape[0]
     qsegs = _segments(q, cu_seqlens_q, seqused_q, batch_size)
@@ -101,16 +111,21 @@ def _forward_impl(q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, sca
         qb = _rows(q, varlen_q, q0, nq).transpose(1, 2).to(cd)
         kb = _rows(k, varlen_k, k0, nk).transpose(1, 2).to(cd)
         vb = _rows(v, varlen_k, k0, nk).transpose(1, 2).to(cd)
-        o, l, _ = attention(
-            qb, kb, vb, scale=scale, allowed=_doc_allowed(nq, nk, causal, left, right, chunk, q.device), softcap=softcap
+        o, lse_b, _ = attention(
+            qb,
+            kb,
+            vb,
+            scale=scale,
+            allowed=_doc_allowed(nq, nk, causal, left, right, chunk, q.device),
+            softcap=softcap,
         )
         o = o[0].transpose(0, 1).to(q.dtype)
         if varlen_q:
             out[q0 : q0 + nq] = o
-            lse[:, q0 : q0 + nq] = l[0].float()
+            lse[:, q0 : q0 + nq] = lse_b[0].float()
         else:
             out[b, :nq] = o
-            lse[b, :, :nq] = l[0].float()
+            lse[b, :, :nq] = lse_b[0].float()
     return out, lse
 
 
@@ -275,7 +290,9 @@ def _flash_attn_backward(
             x.zero_()
     num_heads = q.shape[-2]
     if varlen_q:
-        softmax_d = torch.zeros((num_heads, round_multiple(q.shape[0] + batch_size * 128, 128)), device=q.device)
+        softmax_d = torch.zeros(
+            (num_heads, round_multiple(q.shape[0] + batch_size * 128, 128)), device=q.device
+        )
     else:
         softmax_d = torch.zeros((batch_size, num_heads, round_multiple(q.shape[1], 128)), device=q.device)
     cd = compute_dtype(q.dtype)
@@ -290,7 +307,11 @@ def _flash_attn_backward(
             allowed=_doc_allowed(nq, nk, is_causal, window_size_left, window_size_right, 0, q.device),
             softcap=softcap,
         )
-        for dst, g, varlen, start, n in ((dq, gq, varlen_q, q0, nq), (dk, gk, varlen_k, k0, nk), (dv, gv, varlen_k, k0, nk)):
+        for dst, g, varlen, start, n in (
+            (dq, gq, varlen_q, q0, nq),
+            (dk, gk, varlen_k, k0, nk),
+            (dv, gv, varlen_k, k0, nk),
+        ):
             if dst is None:
                 continue
             g = g[0].transpose(0, 1).to(dst.dtype)

@@ -35,6 +35,7 @@ Different from the real library (deliberately):
   custom op); gradients match autograd through a float64 softmax reference.
 """
 
+# ruff: noqa: RUF005  (autograd Functions kept as in the real source)
 from __future__ import annotations
 
 import math
@@ -1212,7 +1213,9 @@ def flash_attn_with_kvcache(
     softcap/alibi over each row's first cache_seqlens (+ new) keys. Rotary, paged (block_table) and
     cache_leftpad raise NotImplementedError.
     """
-    _not_supported(rotary_cos=rotary_cos, rotary_sin=rotary_sin, block_table=block_table, cache_leftpad=cache_leftpad)
+    _not_supported(
+        rotary_cos=rotary_cos, rotary_sin=rotary_sin, block_table=block_table, cache_leftpad=cache_leftpad
+    )
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** (-0.5)
     batch = q.shape[0]

@@ -7,4 +7,4 @@ Only ``transformer_engine.pytorch.DotProductAttention`` exists, following NVIDIA
 __version__ = "2.20.0.dev0+standin"
 __standin__ = True
 
-from . import pytorch  # noqa: E402,F401  (the real package imports its framework extension the same way)
+from . import pytorch  # noqa: F401  (the real package imports its framework extension the same way)

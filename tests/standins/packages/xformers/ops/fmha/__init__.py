@@ -80,7 +80,7 @@ def _validate(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_
         raise ValueError("Expected batch_size=1 when using block-diagonal bias")
     if p < 0.0 or p > 1.0:
         raise ValueError(f"Invalid dropout probability: p={p}")
-    B, Mq = query.shape[:2]
+    B = query.shape[0]
     Mkv = key.shape[1]
     heads = query.shape[2:-1]
     K, Kv = query.shape[-1], value.shape[-1]

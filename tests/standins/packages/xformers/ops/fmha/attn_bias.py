@@ -22,20 +22,10 @@ Mask semantics (materialize), with i the query row and j the key column of one b
   BlockDiagonalCausalLocalAttentionFromBottomRightMask: the same, bottom-right.
 """
 
+# ruff: noqa: B007, RUF059  (copied from xformers as is)
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import (
-    Any,
-    cast,
-    ClassVar,
-    Iterable,
-    List,
-    Optional,
-    Sequence,
-    Tuple,
-    Type,
-    Union,
-)
 
 import torch
 
@@ -92,9 +82,9 @@ class AttentionBias:
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         """
         Materializes the bias as a `torch.Tensor`. This is very slow
@@ -105,7 +95,7 @@ class AttentionBias:
         raise NotImplementedError()
 
 
-def _get_default_bias_device(device: Optional[torch.device] = None) -> torch.device:
+def _get_default_bias_device(device: torch.device | None = None) -> torch.device:
     if device is None:
         if torch.cuda.is_available():
             return torch.device("cuda")
@@ -116,11 +106,11 @@ def _get_default_bias_device(device: Optional[torch.device] = None) -> torch.dev
 
 
 def _materialize_causal_mask(
-    shape: Tuple[int, ...],
+    shape: tuple[int, ...],
     dtype: torch.dtype = torch.float32,
-    device: Union[str, torch.device] = "cpu",
+    device: str | torch.device = "cpu",
     *,
-    window_size: Optional[int] = None,
+    window_size: int | None = None,
     from_bottomright: bool = False,
 ) -> torch.Tensor:
     create_as = dtype if dtype is not torch.bfloat16 else torch.float32
@@ -154,7 +144,7 @@ class LowerTriangularMask(AttentionBias):
     of queries is not equal to the number of keys/values.
     """
 
-    def __init__(self, device: Union[torch.device, None] = None) -> None:
+    def __init__(self, device: torch.device | None = None) -> None:
         """not used, only here for backward compatibility"""
 
     def to(self, device: torch.device) -> "LowerTriangularMask":
@@ -163,9 +153,9 @@ class LowerTriangularMask(AttentionBias):
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return _materialize_causal_mask(shape, dtype=dtype, device=device)
 
@@ -241,9 +231,9 @@ class LocalAttentionFromBottomRightMask(AttentionBias):
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         create_as = dtype if dtype is not torch.bfloat16 else torch.float32
         mask = torch.full(  # type: ignore
@@ -283,24 +273,18 @@ class LowerTriangularFromBottomRightMask(AttentionBias):
     """
 
     def to(self, device: torch.device) -> "LowerTriangularFromBottomRightMask":
-        assert (
-            type(self) is LowerTriangularFromBottomRightMask
-        ), "Please implement in subclass"
+        assert type(self) is LowerTriangularFromBottomRightMask, "Please implement in subclass"
         return self
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
-        return _materialize_causal_mask(
-            shape, dtype=dtype, device=device, from_bottomright=True
-        )
+        return _materialize_causal_mask(shape, dtype=dtype, device=device, from_bottomright=True)
 
-    def make_local_attention(
-        self, window_size: int
-    ) -> "LowerTriangularFromBottomRightLocalAttentionMask":
+    def make_local_attention(self, window_size: int) -> "LowerTriangularFromBottomRightLocalAttentionMask":
         """
         Create a new bias which combines local + causal attention.
 
@@ -310,9 +294,7 @@ class LowerTriangularFromBottomRightMask(AttentionBias):
 
 
 @dataclass
-class LowerTriangularFromBottomRightLocalAttentionMask(
-    LowerTriangularFromBottomRightMask
-):
+class LowerTriangularFromBottomRightLocalAttentionMask(LowerTriangularFromBottomRightMask):
     """
     A mask that combines both :attr:`LowerTriangularFromBottomRightMask` and
     local attention.
@@ -332,25 +314,19 @@ class LowerTriangularFromBottomRightLocalAttentionMask(
 
     _window_size: int
 
-    def to(
-        self, device: torch.device
-    ) -> "LowerTriangularFromBottomRightLocalAttentionMask":
-        assert (
-            type(self) is LowerTriangularFromBottomRightLocalAttentionMask
-        ), "Please implement in subclass"
+    def to(self, device: torch.device) -> "LowerTriangularFromBottomRightLocalAttentionMask":
+        assert type(self) is LowerTriangularFromBottomRightLocalAttentionMask, "Please implement in subclass"
         return self
 
     def __post_init__(self) -> None:
         if self._window_size <= 0:
-            raise ValueError(
-                f"Expected `window_size > 0`, but window_size={self._window_size}"
-            )
+            raise ValueError(f"Expected `window_size > 0`, but window_size={self._window_size}")
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return _materialize_causal_mask(
             shape,
@@ -368,16 +344,14 @@ class LowerTriangularMaskWithTensorBias(LowerTriangularMask):
         self._bias = bias
 
     def to(self, device: torch.device) -> "LowerTriangularMaskWithTensorBias":
-        assert (
-            type(self) is LowerTriangularMaskWithTensorBias
-        ), "Please implement in subclass"
+        assert type(self) is LowerTriangularMaskWithTensorBias, "Please implement in subclass"
         return LowerTriangularMaskWithTensorBias(_to_device(self._bias, device))
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return super().materialize(shape, dtype=dtype, device=device) + self._bias
 
@@ -399,7 +373,7 @@ class _SeqLenInfo:
     seqstart: torch.Tensor
     max_seqlen: int
     min_seqlen: int
-    seqstart_py: List[int]
+    seqstart_py: list[int]
 
     def to(self, device: torch.device) -> "_SeqLenInfo":
         assert type(self) is _SeqLenInfo, "Please implement in subclass"
@@ -412,13 +386,13 @@ class _SeqLenInfo:
             seqstart_py=self.seqstart_py,
         )
 
-    def intervals(self) -> Iterable[Tuple[int, int]]:
+    def intervals(self) -> Iterable[tuple[int, int]]:
         yield from zip(self.seqstart_py, self.seqstart_py[1:])
 
     @classmethod
     def _get_seqstart(
         cls, seqlens: Iterable[int], *, device: torch.device
-    ) -> Tuple[int, int, List[int], torch.Tensor]:
+    ) -> tuple[int, int, list[int], torch.Tensor]:
         """
         Given sequence lengths, returns the min/max value and the sequence start
         positions (offsets), with first element being 0 (returned in list and Tensor).
@@ -437,16 +411,12 @@ class _SeqLenInfo:
         return (min_seqlen, max_seqlen, seqstart_py, seqstart)
 
     @classmethod
-    def from_seqlens(
-        cls, seqlens: Iterable[int], *, device: Optional[torch.device] = None
-    ) -> "_SeqLenInfo":
+    def from_seqlens(cls, seqlens: Iterable[int], *, device: torch.device | None = None) -> "_SeqLenInfo":
         """
         Input tensors are assumed to be in shape [B, M, *]
         """
         device = _get_default_bias_device(device)
-        min_seqlen, max_seqlen, seqstart_py, seqstart = cls._get_seqstart(
-            seqlens, device=device
-        )
+        min_seqlen, max_seqlen, seqstart_py, seqstart = cls._get_seqstart(seqlens, device=device)
 
         return cls(
             max_seqlen=max_seqlen,
@@ -476,9 +446,7 @@ class _SeqLenInfo:
             self.seqstart_py[i] = seqstart_py[i]
         self.seqstart.copy_(seqstart, non_blocking=True)
 
-    def split(
-        self, x: torch.Tensor, batch_sizes: Optional[Sequence[int]] = None
-    ) -> List[torch.Tensor]:
+    def split(self, x: torch.Tensor, batch_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
         if self.seqstart_py[-1] != x.shape[1] or x.shape[0] != 1:
             raise ValueError(
                 f"Invalid `torch.Tensor` of shape {x.shape}, expected format "
@@ -490,15 +458,12 @@ class _SeqLenInfo:
         split_chunks = []
         it = 0
         for batch_size in batch_sizes:
-            split_chunks.append(
-                self.seqstart_py[it + batch_size] - self.seqstart_py[it]
-            )
+            split_chunks.append(self.seqstart_py[it + batch_size] - self.seqstart_py[it])
             it += batch_size
         return [
             tensor.reshape([bs, -1, *tensor.shape[2:]])
             for bs, tensor in zip(batch_sizes, x.split(split_chunks, dim=1))
         ]
-
 
 
 @dataclass
@@ -543,7 +508,7 @@ class BlockDiagonalMask(AttentionBias):
 
     q_seqinfo: _SeqLenInfo
     k_seqinfo: _SeqLenInfo
-    _batch_sizes: Optional[Sequence[int]] = None
+    _batch_sizes: Sequence[int] | None = None
 
     def to(self, device) -> "BlockDiagonalMask":
         assert type(self) is BlockDiagonalMask, "Please implement in subclass"
@@ -555,9 +520,9 @@ class BlockDiagonalMask(AttentionBias):
 
     def _create_block_mask(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return torch.zeros(
             shape,
@@ -567,9 +532,9 @@ class BlockDiagonalMask(AttentionBias):
 
     def materialize(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         """Materialize the attention bias - for debugging & testing"""
         assert shape[-1] == self.k_seqinfo.seqstart_py[-1], (
@@ -601,9 +566,9 @@ class BlockDiagonalMask(AttentionBias):
     def from_seqlens(
         cls,
         q_seqlen: Sequence[int],
-        kv_seqlen: Optional[Sequence[int]] = None,
+        kv_seqlen: Sequence[int] | None = None,
         *,
-        device: Optional[torch.device] = None,
+        device: torch.device | None = None,
     ) -> "BlockDiagonalMask":
         """Creates a :attr:`BlockDiagonalMask` from a list of tensors lengths for query and key/value.
 
@@ -627,7 +592,7 @@ class BlockDiagonalMask(AttentionBias):
     def from_tensor_list(
         cls,
         tensors: Sequence[torch.Tensor],
-    ) -> Tuple["BlockDiagonalMask", torch.Tensor]:
+    ) -> tuple["BlockDiagonalMask", torch.Tensor]:
         """Creates a :attr:`BlockDiagonalMask` from a list of tensors, and returns the tensors
         concatenated on the sequence length dimension
 
@@ -661,8 +626,8 @@ class BlockDiagonalMask(AttentionBias):
         cls,
         tensors_q: Sequence[torch.Tensor],
         tensors_k: Sequence[torch.Tensor],
-        tensors_v: Optional[Sequence[torch.Tensor]] = None,
-    ) -> Tuple["BlockDiagonalMask", torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+        tensors_v: Sequence[torch.Tensor] | None = None,
+    ) -> tuple["BlockDiagonalMask", torch.Tensor, torch.Tensor, torch.Tensor | None]:
         assert len(tensors_q) == len(tensors_k)
         assert tensors_v is None or len(tensors_v) == len(tensors_q)
         batch_sizes = [tensor.shape[0] for tensor in tensors_q]
@@ -719,9 +684,7 @@ class BlockDiagonalMask(AttentionBias):
             _batch_sizes=self._batch_sizes,
         )
 
-    def make_local_attention(
-        self, window_size: int
-    ) -> "BlockDiagonalCausalLocalAttentionMask":
+    def make_local_attention(self, window_size: int) -> "BlockDiagonalCausalLocalAttentionMask":
         """Experimental: Makes each block causal with local attention"""
         return BlockDiagonalCausalLocalAttentionMask(
             q_seqinfo=self.q_seqinfo,
@@ -763,9 +726,9 @@ class BlockDiagonalCausalMask(BlockDiagonalMask):
 
     def _create_block_mask(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return LowerTriangularMask().materialize(
             shape,
@@ -789,9 +752,7 @@ class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
     """
 
     def to(self, device) -> "BlockDiagonalCausalFromBottomRightMask":
-        assert (
-            type(self) is BlockDiagonalCausalFromBottomRightMask
-        ), "Please implement in subclass"
+        assert type(self) is BlockDiagonalCausalFromBottomRightMask, "Please implement in subclass"
         return BlockDiagonalCausalFromBottomRightMask(
             q_seqinfo=self.q_seqinfo.to(device),
             k_seqinfo=self.k_seqinfo.to(device),
@@ -815,13 +776,11 @@ class BlockDiagonalCausalFromBottomRightMask(BlockDiagonalMask):
 
     def _create_block_mask(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
-        return LowerTriangularFromBottomRightMask().materialize(
-            shape=shape, dtype=dtype, device=device
-        )
+        return LowerTriangularFromBottomRightMask().materialize(shape=shape, dtype=dtype, device=device)
 
 
 @dataclass
@@ -838,9 +797,7 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
     _window_size: int = 0  # forced due to inheritance and default arguments
 
     def to(self, device) -> "BlockDiagonalCausalLocalAttentionMask":
-        assert (
-            type(self) is BlockDiagonalCausalLocalAttentionMask
-        ), "Please implement in subclass"
+        assert type(self) is BlockDiagonalCausalLocalAttentionMask, "Please implement in subclass"
         return BlockDiagonalCausalLocalAttentionMask(
             q_seqinfo=self.q_seqinfo.to(device),
             k_seqinfo=self.k_seqinfo.to(device),
@@ -850,21 +807,9 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
     def __post_init__(self):
         if self._window_size <= 0:
-            raise ValueError(
-                f"Expected `window_size > 0`, but window_size={self._window_size}"
-            )
-        q_seqlen = [
-            y - x
-            for x, y in zip(
-                self.q_seqinfo.seqstart_py[:-1], self.q_seqinfo.seqstart_py[1:]
-            )
-        ]
-        kv_seqlen = [
-            y - x
-            for x, y in zip(
-                self.k_seqinfo.seqstart_py[:-1], self.k_seqinfo.seqstart_py[1:]
-            )
-        ]
+            raise ValueError(f"Expected `window_size > 0`, but window_size={self._window_size}")
+        q_seqlen = [y - x for x, y in zip(self.q_seqinfo.seqstart_py[:-1], self.q_seqinfo.seqstart_py[1:])]
+        kv_seqlen = [y - x for x, y in zip(self.k_seqinfo.seqstart_py[:-1], self.k_seqinfo.seqstart_py[1:])]
         for q, k in zip(q_seqlen, kv_seqlen):
             if q - self._window_size >= k:
                 # Each query only attends to keys no further than window_size back.
@@ -875,9 +820,9 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
     def _create_block_mask(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return _materialize_causal_mask(
             shape,
@@ -888,9 +833,7 @@ class BlockDiagonalCausalLocalAttentionMask(BlockDiagonalCausalMask):
 
 
 @dataclass
-class BlockDiagonalCausalLocalAttentionFromBottomRightMask(
-    BlockDiagonalCausalFromBottomRightMask
-):
+class BlockDiagonalCausalLocalAttentionFromBottomRightMask(BlockDiagonalCausalFromBottomRightMask):
     """
     (Experimental feature)
     Same as :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask`.
@@ -904,9 +847,9 @@ class BlockDiagonalCausalLocalAttentionFromBottomRightMask(
     _window_size: int = 0  # forced due to inheritance and default arguments
 
     def to(self, device) -> "BlockDiagonalCausalLocalAttentionFromBottomRightMask":
-        assert (
-            type(self) is BlockDiagonalCausalLocalAttentionFromBottomRightMask
-        ), "Please implement in subclass"
+        assert type(self) is BlockDiagonalCausalLocalAttentionFromBottomRightMask, (
+            "Please implement in subclass"
+        )
         return BlockDiagonalCausalLocalAttentionFromBottomRightMask(
             q_seqinfo=self.q_seqinfo.to(device),
             k_seqinfo=self.k_seqinfo.to(device),
@@ -917,15 +860,13 @@ class BlockDiagonalCausalLocalAttentionFromBottomRightMask(
     def __post_init__(self):
         super().__post_init__()
         if self._window_size <= 0:
-            raise ValueError(
-                f"Expected `window_size > 0`, but window_size={self._window_size}"
-            )
+            raise ValueError(f"Expected `window_size > 0`, but window_size={self._window_size}")
 
     def _create_block_mask(
         self,
-        shape: Tuple[int, ...],
+        shape: tuple[int, ...],
         dtype: torch.dtype = torch.float32,
-        device: Union[str, torch.device] = "cpu",
+        device: str | torch.device = "cpu",
     ) -> torch.Tensor:
         return _materialize_causal_mask(
             shape,

@@ -80,14 +80,17 @@ def check_set_window_size(attn_mask_type: str, window_size: tuple[int, int] | No
                 "window_size should be (-1, 0) or (>=0, 0) for attn_mask_type=" + attn_mask_type, stacklevel=2
             )
         elif orig_window_size != (-1, 0) and (orig_window_size[0] < 0 or orig_window_size[1] != 0):
-            raise AssertionError("window_size should be (-1, 0) or (>=0, 0) for attn_mask_type=" + attn_mask_type)
+            raise AssertionError(
+                "window_size should be (-1, 0) or (>=0, 0) for attn_mask_type=" + attn_mask_type
+            )
     elif attn_mask_type in ["no_mask", "padding", "arbitrary"]:
         if orig_window_size is None:
             window_size = (-1, -1)
         elif orig_window_size == (-1, 0):
             window_size = (-1, -1)
             warnings.warn(
-                "window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type=" + attn_mask_type, stacklevel=2
+                "window_size should be (-1, -1) or (>=0, >=0) for attn_mask_type=" + attn_mask_type,
+                stacklevel=2,
             )
         elif orig_window_size != (-1, -1) and (orig_window_size[0] < 0 or orig_window_size[1] < 0):
             raise AssertionError(
@@ -166,8 +169,12 @@ class DotProductAttention(torch.nn.Module):
         self.cp_stream = cp_stream
         self.cp_comm_type = cp_comm_type
         self.sequence_parallel = sequence_parallel
-        self.hidden_size_per_attention_head_k = kv_channels if isinstance(kv_channels, int) else kv_channels[0]
-        self.hidden_size_per_attention_head_v = kv_channels if isinstance(kv_channels, int) else kv_channels[1]
+        self.hidden_size_per_attention_head_k = (
+            kv_channels if isinstance(kv_channels, int) else kv_channels[0]
+        )
+        self.hidden_size_per_attention_head_v = (
+            kv_channels if isinstance(kv_channels, int) else kv_channels[1]
+        )
         self.num_gqa_groups = num_attention_heads if num_gqa_groups is None else num_gqa_groups
         self.num_gqa_groups_per_partition = int(self.num_gqa_groups // self.tp_size)
         assert num_attention_heads % self.num_gqa_groups == 0, (
@@ -180,7 +187,9 @@ class DotProductAttention(torch.nn.Module):
         self.attention_type = attention_type
         self.attention_dropout = attention_dropout
         self.return_max_logit = return_max_logit
-        assert softmax_type in ("vanilla", "off-by-one", "learnable"), f"softmax_type {softmax_type} not supported"
+        assert softmax_type in ("vanilla", "off-by-one", "learnable"), (
+            f"softmax_type {softmax_type} not supported"
+        )
         self.softmax_type = softmax_type
         self.softmax_offset = None
         if softmax_type == "learnable":
@@ -228,13 +237,17 @@ class DotProductAttention(torch.nn.Module):
         qkv_interleave_dim: int = -3,
     ):
         if inference_params is not None:
-            raise NotImplementedError("Transformer Engine stand-in: inference_params (KV caching) is not implemented")
+            raise NotImplementedError(
+                "Transformer Engine stand-in: inference_params (KV caching) is not implemented"
+            )
         if score_mod is not None or score_mod_bprop is not None:
             raise NotImplementedError("Transformer Engine stand-in: score_mod is a cuDNN-only path")
         if self.cp_group is not None and torch.distributed.get_world_size(self.cp_group) > 1:
             raise NotImplementedError("Transformer Engine stand-in: context parallelism is not implemented")
         qkv_format = self.qkv_format if qkv_format is None else qkv_format
-        assert qkv_format in QKVFormats, "DotProductAttention only supports qkv_format = {'sbhd', 'bshd', 'thd'}!"
+        assert qkv_format in QKVFormats, (
+            "DotProductAttention only supports qkv_format = {'sbhd', 'bshd', 'thd'}!"
+        )
         query_layer, key_layer, value_layer = self._unpack(
             qkv_layer, kv_layer, query_layer, key_layer, value_layer, qkv_interleave_dim
         )
@@ -244,7 +257,9 @@ class DotProductAttention(torch.nn.Module):
         assert key_layer.shape[:-1] == value_layer.shape[:-1], (
             "Keys and values must have the same batch size, sequence length and number of heads!"
         )
-        assert query_layer.shape[-1] == key_layer.shape[-1], "Queries and keys must have the same head dimension!"
+        assert query_layer.shape[-1] == key_layer.shape[-1], (
+            "Queries and keys must have the same head dimension!"
+        )
         assert query_layer.shape[-1] == self.hidden_size_per_attention_head_k
         assert value_layer.shape[-1] == self.hidden_size_per_attention_head_v
         assert key_layer.shape[-2] == self.num_gqa_groups_per_partition, (
@@ -252,14 +267,21 @@ class DotProductAttention(torch.nn.Module):
             f"Found {key_layer.shape[-2]}."
         )
 
-        attn_mask_type = self.attn_mask_type if attn_mask_type is None else _normalise_mask_type(attn_mask_type)
+        attn_mask_type = (
+            self.attn_mask_type if attn_mask_type is None else _normalise_mask_type(attn_mask_type)
+        )
         assert attn_mask_type in AttnMaskTypes, f"Attention mask type {attn_mask_type} is not supported!"
-        window_size = check_set_window_size(attn_mask_type, self.window_size if window_size is None else window_size)
+        window_size = check_set_window_size(
+            attn_mask_type, self.window_size if window_size is None else window_size
+        )
         if bottom_right_diagonal is None:
             bottom_right_diagonal = self.bottom_right_diagonal
         if attn_mask_type in {"causal", "padding_causal"}:
             bottom_right_diagonal = False
-        if bottom_right_diagonal is None or attn_mask_type in {"causal_bottom_right", "padding_causal_bottom_right"}:
+        if bottom_right_diagonal is None or attn_mask_type in {
+            "causal_bottom_right",
+            "padding_causal_bottom_right",
+        }:
             bottom_right_diagonal = True
         assert core_attention_bias_type in AttnBiasTypes, f"{core_attention_bias_type} not supported"
         if alibi_slopes is not None:
@@ -267,7 +289,9 @@ class DotProductAttention(torch.nn.Module):
                 "core_attention_bias_type must be alibi in order to use alibi_slopes!"
             )
         if core_attention_bias_type == "alibi":
-            assert core_attention_bias is None, "core_attention_bias must be None when core_attention_bias_type is alibi!"
+            assert core_attention_bias is None, (
+                "core_attention_bias must be None when core_attention_bias_type is alibi!"
+            )
 
         args = (
             query_layer,
@@ -302,12 +326,16 @@ class DotProductAttention(torch.nn.Module):
         if qkv_layer is not None and kv_layer is not None:
             raise ValueError("qkv_layer and kv_layer are mutually exclusive.")
         if qkv_interleave_dim not in (-3, -2):
-            raise ValueError(f"qkv_interleave_dim must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got {qkv_interleave_dim}.")
+            raise ValueError(
+                f"qkv_interleave_dim must be -3 (e.g. bs3hd) or -2 (e.g. bsh3d), got {qkv_interleave_dim}."
+            )
         if qkv_layer is not None:
             q, k, v = (qkv_layer.select(qkv_interleave_dim, i) for i in range(3))
             return q, k, v
         if query_layer is None:
-            raise ValueError("kv_layer packs only K and V: query_layer is required when kv_layer is provided.")
+            raise ValueError(
+                "kv_layer packs only K and V: query_layer is required when kv_layer is provided."
+            )
         k, v = (kv_layer.select(qkv_interleave_dim, i) for i in range(2))
         return query_layer, k, v
 
@@ -333,8 +361,12 @@ class DotProductAttention(torch.nn.Module):
         if qkv_format == "sbhd":
             q, k, v = (x.transpose(0, 1) for x in (q, k, v))
         if qkv_format == "thd":
-            assert all(x.dim() == 3 for x in (q, k, v)), "Queries, keys and values must be 3D tensors when qkv_format = thd!"
-            assert "padding" in attn_mask_type, "Attention mask type must be padding or padding_causal for qkv_format=thd!"
+            assert all(x.dim() == 3 for x in (q, k, v)), (
+                "Queries, keys and values must be 3D tensors when qkv_format = thd!"
+            )
+            assert "padding" in attn_mask_type, (
+                "Attention mask type must be padding or padding_causal for qkv_format=thd!"
+            )
             assert cu_seqlens_q is not None and cu_seqlens_kv is not None, (
                 "cu_seqlens_q and cu_seqlens_kv can not be None when qkv_format = thd!"
             )
@@ -343,10 +375,14 @@ class DotProductAttention(torch.nn.Module):
             k_idx, pad_k = self._thd_index(cu_seqlens_kv, cu_seqlens_kv_padded)
             q, k, v = q[q_idx], k[k_idx], v[k_idx]
         else:
-            assert all(x.dim() == 4 for x in (q, k, v)), f"Queries, keys and values must be 4D tensors when {qkv_format=}!"
+            assert all(x.dim() == 4 for x in (q, k, v)), (
+                f"Queries, keys and values must be 4D tensors when {qkv_format=}!"
+            )
             pad_q = pad_k = None
             if "padding" in attn_mask_type:
-                pad_q, pad_k = self._bshd_padding(attention_mask, cu_seqlens_q, cu_seqlens_kv, q.shape[1], k.shape[1])
+                pad_q, pad_k = self._bshd_padding(
+                    attention_mask, cu_seqlens_q, cu_seqlens_kv, q.shape[1], k.shape[1]
+                )
         # q, k, v are (b, s, h, d) here
         batch, sq, heads, _ = q.shape
         sk = k.shape[1]
@@ -420,7 +456,12 @@ class DotProductAttention(torch.nn.Module):
             out = out.reshape(batch, sq, -1)
         if self.return_max_logit:
             s = scores(
-                qt, expand_kv(kt, heads), scale=self.softmax_scale, allowed=allowed, bias=bias, pre_scale_bias=pre_bias
+                qt,
+                expand_kv(kt, heads),
+                scale=self.softmax_scale,
+                allowed=allowed,
+                bias=bias,
+                pre_scale_bias=pre_bias,
             )
             return out, torch.amax(s, dim=(0, 2, 3))
         return out
@@ -444,5 +485,7 @@ class DotProductAttention(torch.nn.Module):
                 return m, m
             mq, mk = attention_mask
             return mq.reshape(mq.shape[0], -1).to(torch.bool), mk.reshape(mk.shape[0], -1).to(torch.bool)
-        assert cu_seqlens_q is not None and cu_seqlens_kv is not None, "Please provide attention_mask for padding!"
+        assert cu_seqlens_q is not None and cu_seqlens_kv is not None, (
+            "Please provide attention_mask for padding!"
+        )
         return _trailing_pad_mask(cu_seqlens_q, sq), _trailing_pad_mask(cu_seqlens_kv, sk)

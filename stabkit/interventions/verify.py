@@ -1,0 +1,95 @@
+"""Check that applied interventions are in effect: one traced forward on an example input.
+
+Runs once in `stabkit.interventions.apply` (and so at `attach(..., interventions=...)`) after the
+surgery, when an example input exists (given, made by discovery, or the one discovery last traced).
+The forward runs under discovery's trace (`stabkit.discovery.trace.run_trace`: RNG streams and
+buffers restored, no parameter gradient), so training is unchanged. What is checked:
+
+- every intervention: the forward runs (a norm hooked onto a tensor of the wrong width fails here,
+  not in training), and every module holding a parameter the intervention added runs;
+- ``qk_norm``: at every attention call the trace sees, each head's query and key vectors have one
+  norm across batch rows and positions (the gain's; whatever route normalised them — a rotation
+  such as RoPE after the norm keeps it);
+- ``attn_softcap``: every attention module it caps had a call capped (its handlers count them).
+
+A check that fails removes nothing itself: `apply` removes the interventions and raises the
+InterventionError this module raises, naming the intervention, the module and what was seen.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..discovery.examples import as_example
+from ..discovery.trace import Trace, run_trace
+from .handle import Handle, InterventionError
+
+RTOL = 1e-3
+"""Largest relative spread of one head's q (or k) norms that counts as normalised."""
+
+
+def _spread(x: torch.Tensor) -> torch.Tensor:
+    """(H,) relative spread (max − min) / max of each head's vector norms, over rows and positions;
+    all-zero vectors (a zero-initialised token) are left out."""
+    norms = x.detach().double().norm(dim=-1).transpose(0, 1).reshape(x.shape[1], -1)  # (H, B·L)
+    top = norms.amax(dim=1, keepdim=True)
+    kept = norms > 1e-6 * top.clamp_min(1e-30)
+    low = torch.where(kept, norms, torch.inf).amin(dim=1)
+    return (top.squeeze(1) - low) / top.squeeze(1).clamp_min(1e-30)
+
+
+def _check_qk_norm(trace: Trace) -> None:
+    for call in trace.calls:
+        if call.q is None or call.k is None or call.q.dim() != 4:
+            continue
+        for which, x in (("queries", call.q), ("keys", call.k)):
+            spread = _spread(x)
+            if bool((spread > RTOL).any()):  # sync point (apply time)
+                worst = float(spread.max())
+                raise InterventionError(
+                    "qk_norm",
+                    call.scope or "<root>",
+                    f"not in effect: the {which} reaching its {call.kind} attention call are not "
+                    f"normalised per head (norms differ by {worst:.1%} within a head)",
+                )
+
+
+def _check_ran(trace: Trace, model: nn.Module, name: str, handle: Handle) -> None:
+    new = {id(p) for p in handle.new_parameters()}
+    if not new:
+        return
+    ran = {m.path for m in trace.modules}
+    for path, module in model.named_modules():
+        owns = any(id(p) in new for p in module.parameters(recurse=False))
+        if owns and path not in ran:
+            raise InterventionError(name, path, "not in effect: the module it added never ran in a forward")
+
+
+def verify(model: nn.Module, handles: dict[str, Handle], example: Any) -> None:
+    """Run one traced forward of `model` on `example` and check each intervention in `handles`
+    (name -> its handle). Raises InterventionError for the first one not in effect."""
+    args, kwargs = as_example(example)
+    for handle in handles.values():
+        handle.counts.clear()
+    try:
+        trace = run_trace(model, args, kwargs)
+    except InterventionError:
+        raise
+    except Exception as exc:  # the surgery broke the forward
+        names = ", ".join(handles)
+        raise InterventionError(
+            names, type(model).__name__, f"the model's forward fails with it: {type(exc).__name__}: {exc}"
+        ) from exc
+    for name, handle in handles.items():
+        _check_ran(trace, model, name, handle)
+        if name == "qk_norm":
+            _check_qk_norm(trace)
+        if name == "attn_softcap":
+            for path in getattr(handle, "capped_paths", []):
+                if handle.counts.get(path, 0) == 0:
+                    raise InterventionError(
+                        name, path, "not in effect: the module ran without a call stabkit could cap"
+                    )
