@@ -125,7 +125,15 @@ class Positions:
         if self.alibi is None:
             return None
         slopes = self.alibi.float()
-        slopes = slopes[heads].view(1, -1, 1, 1) if slopes.dim() == 1 else slopes[rows][:, heads, None, None]
+        if slopes.dim() == 1:
+            slopes = slopes[heads].view(1, -1, 1, 1)
+        elif self.q_doc is not None:  # packed: one row of slopes per document
+            per_query = slopes[self.q_doc[q_index]]  # (b|1, h|1, l, H)
+            shape = (per_query.shape[0], heads.numel(), per_query.shape[2], per_query.shape[3])
+            index = heads.view(1, -1, 1, 1).expand(shape[0], shape[1], shape[2], 1)
+            slopes = per_query.expand(shape).gather(-1, index)  # (b, h, l, 1)
+        else:
+            slopes = slopes[rows][:, heads, None, None]
         distance = (self.q_pos[q_index].unsqueeze(-1) - self.k_pos[keys]).abs().float()  # (…, l, s)
         return -slopes * distance
 

@@ -72,6 +72,8 @@ class ScopedFunctionMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # traced by Dynamo (a compiled call inside the module): pass
+            return func(*args, **kwargs)
         handler = self.functions.get(func)
         if handler is None and self.resolve is not None:
             handler = self.resolve(func)

@@ -61,7 +61,7 @@ def traced_or_named(
     reason = ""
     ex = as_example(example) if example is not None else None
     if ex is None and not _no_trace_possible(model):
-        ex = synthesize_example(model) or last_example(model)
+        ex = last_example(model) or synthesize_example(model)
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
     elif _no_trace_possible(model):

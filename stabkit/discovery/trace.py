@@ -217,6 +217,11 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
         yield from (v for v in value.values() if isinstance(v, torch.Tensor))
 
 
+def _layout(x: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same values: storage, offset, shape, strides, dtype."""
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+
+
 def first_tensor_in(value: Any) -> torch.Tensor | None:
     """The main tensor of a module's output or arguments: the tensor itself, the first tensor item of
     a tuple/list, or the first tensor value of a dict / HF ModelOutput; None when there is none.
@@ -242,11 +247,15 @@ class _Recorder(TorchFunctionMode):
         """id of a q·kᵀ-like product (and anything computed from it) -> (q, k, module stack) with q, k as
         (..., L, E), (..., S, E)."""
         self.stack = stack
+        self.graded: dict[tuple[Any, ...], torch.Tensor] = {}
+        """(storage, offset, shape, strides, dtype) -> the last recorded tensor with autograd history there."""
 
     def __torch_function__(
         self, func: Callable[..., Any], types: Any, args: tuple[Any, ...] = (), kwargs: Any = None
     ) -> Any:
         kwargs = kwargs or {}
+        if torch.compiler.is_compiling():  # a compiled call inside the traced forward: not followed
+            return func(*args, **kwargs)
         t = self.trace
         index = t.ops
         t.ops += 1
@@ -282,6 +291,9 @@ class _Recorder(TorchFunctionMode):
             t.shapes[oid] = tuple(o.shape)
         for x in inputs:
             t.shapes.setdefault(id(x), tuple(x.shape))
+        for o in outputs:
+            if o.requires_grad and o.is_floating_point():
+                self.graded[_layout(o)] = o
         t.keep.append((inputs, outputs))
         if in_ids and in_ids <= self.param_like:
             self.param_like.update(id(o) for o in outputs)
@@ -351,8 +363,15 @@ class _Recorder(TorchFunctionMode):
     def _kernel_call(
         self, index: int, kernel: kernels.Kernel, func: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> AttentionCall:
+        # a kernel wrapped in an autograd.Function gets its arguments without autograd history: read the
+        # recorded tensors they are (same storage and layout) so that q and k lead back to projections
+        args = tuple(self._with_history(a) for a in args)
+        kwargs = {n: self._with_history(a) for n, a in kwargs.items()}
         try:
-            qk = kernels.read_call(kernel, func, args, kwargs)
+            with (
+                torch.enable_grad()
+            ):  # inside an autograd.Function's forward gradients are off: views keep history
+                qk = kernels.read_call(kernel, func, args, kwargs)
         except Exception as exc:  # a call the reader refuses: the site is known, its q/k are not
             call = AttentionCall(index, f"kernel:{kernel.name}", tuple(self.stack), None, None, None)
             call.note = f"{kernel.library} call not readable: {exc}"
@@ -360,6 +379,11 @@ class _Recorder(TorchFunctionMode):
         inputs = [x for a in (*args, *kwargs.values()) for x in _tensors(a)]
         q, k = self._view_of(qk.q, inputs), self._view_of(qk.k, inputs)
         return AttentionCall(index, f"kernel:{kernel.name}", tuple(self.stack), q, k, None)
+
+    def _with_history(self, x: Any) -> Any:
+        if not isinstance(x, torch.Tensor) or x.requires_grad or not x.is_floating_point():
+            return x
+        return self.graded.get(_layout(x), x)
 
     def _view_of(self, view: torch.Tensor, inputs: list[torch.Tensor]) -> torch.Tensor:
         """Enter a reader's view (e.g. (B, L, H, D) -> (B, H, L, D)) into the data-flow graph as

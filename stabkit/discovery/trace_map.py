@@ -19,7 +19,7 @@ from .roles import OUT_NAMES, V_NAMES, child, is_norm, map_attention, norm_kind
 from .trace import AttentionCall, ModuleCall, Projection, Trace, is_add
 from .trace_heads import HeadSource, head_source
 from .trace_logits import find_final_logits
-from .trace_units import gaps, other_blocks, repeated_units
+from .trace_units import gaps, other_blocks, parallel_mixer, repeated_units
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 _PRE = NormMap("", "", "", "pre")
@@ -359,6 +359,8 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
         find_final_logits(b, mmap)
         mmap.gaps = gaps(b, mmap)
         return mmap
+    for call in trace.calls:
+        _lift_scope(b, call)
     scopes = {c.scope for c in trace.calls}
     first_choice = {sc: block_of_scope(sc, scopes, b.modules) for sc in scopes}
     common = Counter(type(b.modules[p]) for p in first_choice.values()).most_common(1)[0][0]
@@ -379,6 +381,31 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
     find_final_logits(b, mmap)
     mmap.gaps = gaps(b, mmap)
     return mmap
+
+
+def _child_of(path: str, block: str) -> str:
+    """The direct child of `block` that `path` is under (`path` itself when it is one)."""
+    rest = path[len(block) + 1 :] if block else path
+    return rest.split(".")[0]
+
+
+def _lift_scope(b: _Builder, call: AttentionCall) -> None:
+    """The attention module of a call is the innermost running module that also holds its q and k
+    projections: a call made by a child without them (an ``sdpa`` wrapper module, Transformer
+    Engine's ``DotProductAttention``) belongs to the parent that projects q and k."""
+    if call.q is None or call.k is None or not call.stack:
+        return
+    sources = [b.source(call, w) for w in ("q", "k")]
+    found = [b.module_output_of(s.projection) for s in sources if s is not None and s.projection is not None]
+    owners = [o for o in found if o is not None]
+    if not owners:
+        return
+    for depth in range(len(call.stack) - 1, -1, -1):
+        path = call.stack[depth]
+        if all(_under(o, path) for o in owners):
+            if depth < len(call.stack) - 1 and b.modules[path] is not b.model:
+                call.stack = call.stack[: depth + 1]
+            return
 
 
 def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> BlockMap:
@@ -404,6 +431,9 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
         inside = m_call is not None and b.residual_between(
             mlp_projs[-1].output, m_call.output, start, before=m_call.start
         )
+        branches = {_child_of(p.module, path) for p in mlp_projs}
+        if mlp_path is None and len(branches) > 1:  # a sum of sibling modules (MoE + shared MLP)
+            last = None
         if last is not None and (mlp_path is None or inside):
             mlp_path = (
                 last  # the MLP's output is its last projection's (fc2; Bloom adds the residual after it)
@@ -429,6 +459,7 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
         start, _, _ = b.window(path)
         parallel = attn_out is not None and not b.derives(m_in, attn_out, start)
     norms, placement = b.norms(path, subs, scopes)
+    mixer = parallel_mixer(b, path, [*scopes, *(a.path for a in attns), mlp_path])
     return BlockMap(
         index=index,
         path=path,
@@ -438,6 +469,7 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
         placement=placement,  # type: ignore[arg-type]
         attentions=attns,
         parallel=parallel,
+        mixer=mixer,
     )
 
 

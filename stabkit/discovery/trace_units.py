@@ -26,7 +26,7 @@ from torch import nn
 
 from .families import family_of
 from .families import mlp_path as mlp_path_by_name
-from .modelmap import OPAQUE, BlockMap, ModelMap, NormMap
+from .modelmap import OPAQUE, BlockMap, ModelMap, NormMap, Placement
 from .roles import find_attention, is_norm, map_attention, norm_kind
 
 if TYPE_CHECKING:
@@ -83,14 +83,49 @@ def _unit(b: _Builder, path: str, attention: bool) -> BlockMap:
         amap.qk_note = "its forward made no attention call stabkit can read"
     else:
         mixer = _mixer(module, path)
-    norms = [
-        NormMap(p, norm_kind(m), "unknown", "unknown")
-        for p, m in b.modules.items()
-        if _under(p, path) and p != path and is_norm(m) and p.count(".") == path.count(".") + 1
+    subs = [
+        (name, *span) for name, sub in (("mixer", mixer), ("mlp", mlp)) if sub and (span := _span(b, sub))
     ]
+    norms: list[NormMap]
+    placement: Placement = "unknown"
+    if len(subs) == 2:  # a Mamba / conv layer with its MLP: its norms placed against both
+        norms, found = b.norms(path, subs, [])
+        placement = found  # type: ignore[assignment]
+    else:
+        norms = [
+            NormMap(p, norm_kind(m), "unknown", "unknown")
+            for p, m in b.modules.items()
+            if _under(p, path) and p != path and is_norm(m) and p.count(".") == path.count(".") + 1
+        ]
     return BlockMap(
-        index=0, path=path, attention=amap, mlp=mlp, norms=norms, placement="unknown", mixer=mixer
+        index=0,
+        path=path,
+        attention=amap,
+        mlp=mlp,
+        norms=norms,
+        placement=placement,
+        mixer=mixer,  # type: ignore[arg-type]
     )
+
+
+def _span(b: _Builder, path: str) -> tuple[int | None, int | None, int, int] | None:
+    """(input id, output id, first op, last op) of the first call of the module at `path`."""
+    call = next((m for m in b.trace.modules if m.path == path), None)
+    return (call.input, call.output, call.start, call.end) if call is not None else None
+
+
+def parallel_mixer(b: _Builder, block: str, taken: list[str | None]) -> str | None:
+    """A child of an attention block that mixes tokens beside the attention (Falcon-H1's Mamba): the
+    attention sub-layer's output is then a sum, not the attention module's output."""
+    module = b.modules[block]
+    for name, child in module.named_children():
+        path = f"{block}.{name}" if block else name
+        if any(t is not None and (_under(t, path) or _under(path, t)) for t in taken) or is_norm(child):
+            continue
+        named = MIXER.search(name) or MIXER.search(type(child).__name__)  # not an MoE's expert products
+        if named and _has_parameters(child) and mixes_tokens(b, path):
+            return path
+    return None
 
 
 def other_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
@@ -108,11 +143,11 @@ def other_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
                 continue
             if any(_under(k, path) or _under(path, k) for k in known):
                 continue
-            if type(sibling) in classes and not any(_under(c.scope, path) for c in b.trace.calls):
-                if find_attention(sibling) is not None:
-                    out.append(_unit(b, path, attention=True))
-                    known.add(path)
-            elif mixes_tokens(b, path):
+            opaque = type(sibling) in classes and find_attention(sibling) is not None
+            if opaque and not any(_under(c.scope, path) for c in b.trace.calls):
+                out.append(_unit(b, path, attention=True))
+                known.add(path)
+            elif mixes_tokens(b, path):  # a hybrid's other layers (of its own class, or the same one)
                 out.append(_unit(b, path, attention=False))
                 known.add(path)
     return out

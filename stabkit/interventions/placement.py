@@ -198,6 +198,7 @@ def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: Bl
     """Output norms on the attention (or token mixer) and MLP modules' outputs, registered on the block."""
     targets: list[tuple[str, str, str]] = []
     for i, a in enumerate(bmap.attentions):
+        _refuse_inline(bmap, a)
         width = _width(model, bmap, "attn")
         targets.append(
             ("attn", OUT_NORMS["attn"] + (f"_{i}" if i else ""), _attention_output(model, bmap, a, width))
@@ -266,15 +267,19 @@ def _width(model: nn.Module, bmap: BlockMap, sublayer: str) -> int:
 
 def _attention_output(model: nn.Module, bmap: BlockMap, a: AttentionMap, width: int) -> str:
     """The module whose output is attention site `a`'s sub-layer output (added to the residual)."""
+    _refuse_inline(bmap, a)
     start = a.output or a.path
-    if start == bmap.path:
+    return _output_module(model, bmap, start, width, f"attention sub-layer (call site {a.path})")
+
+
+def _refuse_inline(bmap: BlockMap, a: AttentionMap) -> None:
+    if (a.output or a.path) == bmap.path:
         raise InterventionError(
             NAME,
             bmap.path,
             "attention is computed inline in the block's forward: no sub-layer module "
             "whose output could take the sandwich norm",
         )
-    return _output_module(model, bmap, start, width, f"attention sub-layer (call site {a.path})")
 
 
 def _may_output(module: nn.Module, width: int) -> bool | None:

@@ -171,7 +171,7 @@ def apply_many(
             handle = REGISTRY[name].factory(model, model_map_override=model_map, **options)
             remember(model, name, handle)
             done.append(handle)
-        ex = example if example is not None else synthesize_example(model) or last_example(model)
+        ex = example if example is not None else last_example(model) or synthesize_example(model)
         if ex is not None:
             verify(model, dict(zip([n for n, _ in items], done, strict=True)), ex)
     except BaseException:

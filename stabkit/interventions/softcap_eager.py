@@ -69,6 +69,8 @@ class EagerCap:
         """Per module, the tensors holding uncapped logits in the forward in progress (id -> tensor)."""
         self.capped: dict[str, dict[int, torch.Tensor]] = {}
         """Per module, tensors made from capped logits."""
+        self.weighted: set[str] = set()
+        """Modules past their softmax in the forward in progress: a product now is weights·v, not logits."""
 
     def _mark(self, table: dict[str, dict[int, torch.Tensor]], path: str, out: Any) -> None:
         if isinstance(out, torch.Tensor):
@@ -83,7 +85,7 @@ class EagerCap:
         operands = [x for x in _tensors(args, kwargs) if x.is_floating_point()]
         out = func(*args, **kwargs)
         activations = len(operands) == 2 and all(x.dim() >= 3 and not _is_weight(x) for x in operands)
-        if activations and isinstance(out, torch.Tensor) and out.dim() >= 3:
+        if activations and path not in self.weighted and isinstance(out, torch.Tensor) and out.dim() >= 3:
             self._mark(self.logits, path, out)  # q·kᵀ (two activations), not a projection
         return out
 
@@ -130,6 +132,7 @@ class EagerCap:
         dim = args[1] if len(args) > 1 else kwargs.get("dim")
         if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() != 4 or dim not in (-1, 3):
             return func(*args, **kwargs)  # not attention weights (e.g. an MoE router inside the scope)
+        self.weighted.add(path)
         if self._is(self.capped, path, x):
             return func(*args, **kwargs)
         self.handle.count(path)
@@ -164,3 +167,4 @@ class EagerCap:
         """The module's forward ended: drop the references."""
         self.logits.pop(path, None)
         self.capped.pop(path, None)
+        self.weighted.discard(path)

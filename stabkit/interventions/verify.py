@@ -27,8 +27,9 @@ from ..discovery.examples import as_example
 from ..discovery.trace import Trace, run_trace
 from .handle import Handle, InterventionError
 
-RTOL = 1e-3
-"""Largest relative spread of one head's q (or k) norms that counts as normalised."""
+RTOL = 2e-2
+"""Largest relative spread of one head's q (or k) norms that counts as normalised (a norm's eps moves
+small vectors by up to ~1 %; an unnormalised head spreads by tens of %)."""
 
 
 def _spread(x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,13 @@ Each is a 2-layer causal LM (d=32, 4 heads, vocab 96) making 2 attention calls p
 - ``token-mixer``: the attention module is ``block.mixer`` of class ``TokenMixer``;
 - ``eager-interleaved-qkv``: softmax(q @ kᵀ * scale) by hand, fused qkv laid out per head ``[q_h k_h v_h]``;
 - ``gqa-rope``: separate q/k/v Linears, 4 query / 2 kv heads, RoPE applied before ``SDPA(enable_gqa=True)``;
-- ``tied-logit-scale``: unembedding ``x @ self.wte.weight.T`` (no head Linear), then ``logits * self.logit_scale``.
+- ``tied-logit-scale``: unembedding ``x @ self.wte.weight.T`` (no head Linear), then ``logits * self.logit_scale``;
+- ``child-sdpa``: LLaMA-style; SDPA called by a parameter-free child module of the attention that returns
+  (B, T, H, hd), reshaped to (B, T, H·hd) and projected by ``o_proj`` only in the attention's forward;
+- ``nanogpt-layernorm-class``: nanoGPT as written, with its own ``LayerNorm`` class (``weight`` and ``bias``,
+  ``F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)``, no ``normalized_shape`` or ``eps``);
+- ``hybrid-conv``: a hybrid ``[conv, attn, conv, attn]`` layer list: pre-norm blocks whose token mixer is a
+  causal depthwise conv1d + Linear beside pre-norm attention blocks, each with an MLP (2 attention calls).
 """
 
 from __future__ import annotations
@@ -351,7 +357,198 @@ class TiedScaledGPT(nn.Module):
         return logits * self.logit_scale
 
 
-def _register(name: str, make: Callable[[], nn.Module], notes: str) -> None:
+# (i) LLaMA-style, SDPA called through a parameter-free child module returning (B, T, H, hd) ------------
+
+
+class ScaledDotProductAttention(nn.Module):
+    """F.scaled_dot_product_attention as a module: (B, H, T, hd) q, k, v -> (B, T, H, hd)."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2)
+
+
+class ChildSDPAAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj = nn.Linear(DIM, DIM, bias=False)
+        self.k_proj = nn.Linear(DIM, DIM, bias=False)
+        self.v_proj = nn.Linear(DIM, DIM, bias=False)
+        self.o_proj = nn.Linear(DIM, DIM, bias=False)
+        self.sdpa = ScaledDotProductAttention()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k = rope(split_heads(self.q_proj(x))), rope(split_heads(self.k_proj(x)))
+        y = self.sdpa(q, k, split_heads(self.v_proj(x)))  # (B, T, H, hd): not the sub-layer output
+        return self.o_proj(y.reshape(b, t, DIM))
+
+
+class SwiGLU(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.up_proj = nn.Linear(DIM, 2 * DIM, bias=False)
+        self.down_proj = nn.Linear(2 * DIM, DIM, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class ChildSDPABlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(DIM, eps=1e-6)
+        self.self_attn = ChildSDPAAttention()
+        self.post_attention_layernorm = nn.RMSNorm(DIM, eps=1e-6)
+        self.mlp = SwiGLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class ChildSDPAGPT(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(VOCAB, DIM)
+        self.layers = nn.ModuleList(ChildSDPABlock() for _ in range(LAYERS))
+        self.norm = nn.RMSNorm(DIM, eps=1e-6)
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(idx)
+        for layer in self.layers:
+            x = layer(x)
+        return self.lm_head(self.norm(x))
+
+
+# (j) nanoGPT as written: its own LayerNorm class (weight + optional bias, eps 1e-5 in the forward) ----
+
+
+class LayerNorm(nn.Module):
+    """nanoGPT's LayerNorm with an optional bias (PyTorch's had none before 2.1)."""
+
+    def __init__(self, ndim: int, bias: bool) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(input, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_attn = nn.Linear(DIM, 3 * DIM)
+        self.c_proj = nn.Linear(DIM, DIM)
+        self.attn_dropout = nn.Dropout(0.0)
+        self.resid_dropout = nn.Dropout(0.0)
+        self.n_head, self.n_embd, self.dropout = HEADS, DIM, 0.0
+        self.flash = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.size()
+        q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class NanoMLP(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c_fc = nn.Linear(DIM, 4 * DIM)
+        self.gelu = nn.GELU()
+        self.c_proj = nn.Linear(4 * DIM, DIM)
+        self.dropout = nn.Dropout(0.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln_1 = LayerNorm(DIM, bias=True)
+        self.attn = CausalSelfAttention()
+        self.ln_2 = LayerNorm(DIM, bias=True)
+        self.mlp = NanoMLP()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class NanoGPTOwnLayerNorm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict(
+            dict(
+                wte=nn.Embedding(VOCAB, DIM),
+                wpe=nn.Embedding(SEQ, DIM),
+                drop=nn.Dropout(0.0),
+                h=nn.ModuleList(NanoBlock() for _ in range(LAYERS)),
+                ln_f=LayerNorm(DIM, bias=True),
+            )
+        )
+        self.lm_head = nn.Linear(DIM, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying, as nanoGPT
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        t = self.transformer
+        pos = torch.arange(0, idx.shape[1], dtype=torch.long, device=idx.device)
+        x = t.drop(t.wte(idx) + t.wpe(pos))
+        for block in t.h:
+            x = block(x)
+        return self.lm_head(t.ln_f(x))
+
+
+# (k) hybrid: pre-norm blocks mixing tokens by a causal depthwise conv1d beside attention blocks ------
+
+
+class CausalConvMixer(nn.Module):
+    """Short causal depthwise convolution over time (kernel 4), SiLU, output Linear (LFM2 / Hyena-like)."""
+
+    def __init__(self, kernel: int = 4) -> None:
+        super().__init__()
+        self.conv = nn.Conv1d(DIM, DIM, kernel, groups=DIM, padding=kernel - 1)
+        self.out_proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[1]
+        y = self.conv(x.transpose(1, 2))[..., :t].transpose(1, 2)  # left padding only: causal
+        return self.out_proj(F.silu(y))
+
+
+class ConvBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm1 = nn.LayerNorm(DIM)
+        self.mixer = CausalConvMixer()
+        self.norm2 = nn.LayerNorm(DIM)
+        self.mlp = mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.norm1(x))
+        return x + self.mlp(self.norm2(x))
+
+
+class HybridConvGPT(GPTBase):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList([ConvBlock(), Block(), ConvBlock(), Block()])
+
+    def body(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _register(name: str, make: Callable[[], nn.Module], notes: str, calls: int = LAYERS) -> None:
     def build() -> ZooModel:
         torch.manual_seed(0)
         model = finish(make())
@@ -363,7 +560,7 @@ def _register(name: str, make: Callable[[], nn.Module], notes: str) -> None:
             args=(idx,),
             loss_fn=ce,
             logits_fn=lambda out: out,
-            n_attention_calls=LAYERS,
+            n_attention_calls=calls,
             notes=notes,
             n_classes=VOCAB,
         )
@@ -390,4 +587,19 @@ _register(
     "tied-logit-scale",
     TiedScaledGPT,
     "tied unembedding x @ wte.weight.T (no head Linear), logits * logit_scale (learned, 1/sqrt(d))",
+)
+_register(
+    "child-sdpa",
+    ChildSDPAGPT,
+    "LLaMA-style; SDPA in a parameter-free child module returning (B, T, H, hd), reshaped and o_proj'd outside it",
+)
+_register(
+    "nanogpt-layernorm-class",
+    NanoGPTOwnLayerNorm,
+    "nanoGPT as written: its own LayerNorm class (weight, bias; F.layer_norm eps 1e-5), tied lm_head",
+)
+_register(
+    "hybrid-conv",
+    HybridConvGPT,
+    "hybrid [conv, attn, conv, attn]: pre-norm blocks whose mixer is a causal depthwise conv1d + Linear",
 )

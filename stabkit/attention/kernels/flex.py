@@ -1,11 +1,10 @@
-"""FlexAttention: read at its higher-order op ``higher_order::flex_attention``, which
-``torch.nn.attention.flex_attention.flex_attention`` calls in eager mode (the op is what a function
-mode sees; the Python function itself is not).
+"""FlexAttention: read at its Python entry point ``torch.nn.attention.flex_attention.flex_attention``
+(made visible by `entry_points`). Not at the higher-order op it calls: in eager mode FlexAttention
+compiles that call, and a function mode seen there would be traced by Dynamo.
 
-The op gets (query (B, H, L, E), key (B, Hkv, S, E), value, score_mod, block_mask as a tuple, scale,
-kernel_options, score_mod buffers, mask_mod buffers). The block-mask tuple is
-``BlockMask.as_tuple()``: (L, S, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices, …,
-Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod). An entry is allowed when its (query block, key block) pair is
+The call gets query (B, H, L, E), key (B, Hkv, S, E) (``enable_gqa``), value, score_mod, a
+``BlockMask`` (read through ``BlockMask.as_tuple()``: (L, S, kv_num_blocks, kv_indices,
+full_kv_num_blocks, full_kv_indices, …, Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)) and scale. An entry is allowed when its (query block, key block) pair is
 a *full* block, or a *partial* block whose ``mask_mod(b, h, q_idx, kv_idx)`` is True — what the
 compiled kernel computes on a GPU (eager FlexAttention on a CPU evaluates mask_mod everywhere; the
 two agree for block masks made by ``create_block_mask``). ``score_mod`` changes the scores the softmax
@@ -22,18 +21,6 @@ import torch
 
 from ..call import FlexMask, QKCall
 from .base import Kernel, add
-
-PARAMS = (
-    "query",
-    "key",
-    "value",
-    "score_mod",
-    "block_mask",
-    "scale",
-    "kernel_options",
-    "score_mod_other_buffers",
-    "mask_mod_other_buffers",
-)
 
 
 def _dense(num: torch.Tensor | None, indices: torch.Tensor | None, n_kv_blocks: int) -> torch.Tensor | None:
@@ -71,13 +58,14 @@ def read_flex(a: Mapping[str, Any]) -> QKCall:
     q, k = a["query"], a["key"]  # (B, H, L, E), (B, Hkv, S, E)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError(f"flex_attention with query {tuple(q.shape)}: expected 4-d (B, H, L, E)")
+    if q.shape[1] != k.shape[1] and not a.get("enable_gqa", True):
+        raise ValueError("flex_attention with fewer key heads and enable_gqa=False: not measured")
     score_mod = None if is_identity(a["score_mod"]) else a["score_mod"]
     block_mask = a["block_mask"]
-    flex = (
-        flex_mask(block_mask, k.shape[2], tuple(a.get("mask_mod_other_buffers") or ()))
-        if block_mask
-        else None
-    )
+    if block_mask is not None and not isinstance(block_mask, tuple):
+        block_mask = block_mask.as_tuple()  # the Python entry point gets a BlockMask
+    mask_args = tuple(a.get("mask_mod_other_buffers") or ())
+    flex = flex_mask(block_mask, k.shape[2], mask_args) if block_mask else None
     return QKCall(
         q,
         k,
@@ -106,8 +94,7 @@ FLEX = add(
         "flex_attention",
         "PyTorch FlexAttention",
         read_flex,
-        ops=("higher_order::flex_attention",),
-        params=PARAMS,
+        functions=("torch.nn.attention.flex_attention:flex_attention",),
         cap=cap_score_mod,
         qk=("query", "key"),
     )
