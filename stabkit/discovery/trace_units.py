@@ -104,7 +104,7 @@ def _unit(b: _Builder, path: str, attention: bool) -> BlockMap:
         mlp=mlp,
         norms=norms,
         placement=placement,
-        mixer=mixer,  # type: ignore[arg-type]
+        mixer=mixer,
     )
 
 
