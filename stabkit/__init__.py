@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 from .events import Event, InstabilityError
 
 if TYPE_CHECKING:
+    from .attention.kernels import register_kernel
     from .audit import audit
     from .config import MonitorConfig
     from .detectors import DetectConfig
@@ -42,6 +43,7 @@ _LAZY = {
     "z_loss": "interventions",
     "Monitor": "monitor",
     "attach": "monitor",
+    "register_kernel": "attention.kernels",
 }
 """Public name -> the submodule it comes from (imported on first access)."""
 
@@ -103,5 +105,6 @@ __all__ = [
     "audit",
     "inspect",
     "inspect_model",
+    "register_kernel",
     "z_loss",
 ]

@@ -1,7 +1,7 @@
-"""`stabkit list [interventions|recipes|presets|advice|plugins]`: what stabkit ships, one section or all.
+"""`stabkit list [interventions|kernels|recipes|presets|advice|plugins]`: what stabkit ships, one section or all.
 
 Runs without importing torch for recipes, presets, advice and plugins (plain data read from light
-modules); `interventions` imports the intervention registry, which imports torch.
+modules); `interventions` and `kernels` import their registries, which import torch.
 """
 
 from __future__ import annotations
@@ -16,13 +16,20 @@ from .app import main
 if TYPE_CHECKING:
     from ..harness.models.config import GPTConfig
 
-SECTIONS = ("interventions", "recipes", "presets", "advice", "plugins")
+SECTIONS = ("interventions", "kernels", "recipes", "presets", "advice", "plugins")
 
 
 def interventions_text() -> str:
     from ..interventions import describe_registry  # imports torch (the registry holds the factories)
 
     return describe_registry()
+
+
+def kernels_text() -> str:
+    """The attention kernels stabkit reads at their entry points (and registered ones)."""
+    from ..attention.kernels import KERNELS  # imports torch
+
+    return "\n".join(kernel.describe() for kernel in KERNELS.values())
 
 
 def recipes_text() -> str:
@@ -119,10 +126,11 @@ def plugins_text() -> str:
 @main.command(name="list")
 @click.argument("section", required=False, type=click.Choice(SECTIONS))
 def list_command(section: str | None) -> None:
-    """List interventions, recipes, model presets, the detectors' advice table or the registered
-    plug-ins (all when omitted)."""
+    """List interventions, attention kernels, recipes, model presets, the detectors' advice table or
+    the registered plug-ins (all when omitted)."""
     makers = {
         "interventions": interventions_text,
+        "kernels": kernels_text,
         "recipes": recipes_text,
         "presets": presets_text,
         "advice": advice_text,

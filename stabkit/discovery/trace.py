@@ -297,7 +297,9 @@ class _Recorder(TorchFunctionMode):
         t.keep.append((inputs, outputs))
         if in_ids and in_ids <= self.param_like:
             self.param_like.update(id(o) for o in outputs)
-        self._follow_products(func, args, kwargs, inputs, outputs)
+        projected = bool(t.projections) and t.projections[-1].index == index
+        if func not in SOFTMAXES and not projected:  # logits stop at their softmax and at a projection
+            self._follow_products(func, args, kwargs, inputs, outputs)
         if call is not None:
             call.output = id(outputs[0]) if outputs else None
             t.calls.append(call)

@@ -432,7 +432,8 @@ def _block(b: _Builder, index: int, path: str, calls: list[AttentionCall]) -> Bl
             mlp_projs[-1].output, m_call.output, start, before=m_call.start
         )
         branches = {_child_of(p.module, path) for p in mlp_projs}
-        if mlp_path is None and len(branches) > 1:  # a sum of sibling modules (MoE + shared MLP)
+        chained = b.derives(mlp_projs[-1].input, mlp_projs[0].output, start)  # fc1 -> fc2 (Whisper)
+        if mlp_path is None and len(branches) > 1 and not chained:  # a sum of siblings (MoE + shared MLP)
             last = None
         if last is not None and (mlp_path is None or inside):
             mlp_path = (

@@ -37,14 +37,18 @@ def refusal(entry: str, intervention: str) -> str | None:
     """The reason an intervention may be refused on a zoo entry (a true reason, or None)."""
     rules = [
         # the model has the fix already
-        (r"hf-olmo2|hf-gemma2|hf-olmoe|hf-qwen3|hf-persimmon|hf-stablelm", "qk_norm", r"already has QK-norm"),
+        (
+            r"hf-olmo2|hf-gemma2|hf-gemma3|hf-olmoe|hf-qwen3|hf-persimmon|hf-stablelm|hf-lfm2|hf-llama4",
+            "qk_norm",
+            r"already has QK-norm",
+        ),  # Llama 4: its RoPE layers have an L2 QK-norm (its NoPE layers do not)
         (r"xt-decoder-features", "qk_norm", r"not plain slices"),  # x-transformers' own l2 QK-norm
         (r"xt-decoder-features", "norm_placement", r"sandwich-norm already"),
         # the layer list interleaves attention and feed-forward entries: no MLP inside the attention unit
         (r"xt-|hand-interleaved", "norm_placement", r"no mlp module"),
         (r"hf-gemma2", "attn_softcap", r"soft-capped already"),
         (r"hf-gemma2", "logit_softcap", r"soft-caps its output logits already"),
-        (r"hf-gemma2", "norm_placement", r"sandwich-norm already"),
+        (r"hf-gemma2|hf-gemma3", "norm_placement", r"sandwich-norm already"),
         # discovery maps the conv blocks' mixer and MLP but not where their norms sit (placement unknown)
         (r"hand-hybrid-conv", "norm_placement", r"block without attention .*norm placement is unknown"),
         # post-norm / output-norm blocks: sandwich needs a pre-norm block
