@@ -24,6 +24,9 @@ QK_NORM_ATTR = "stabkit_qk_norm"
 
 
 NEEDS_TRACE = ("qk_norm", "attn_softcap", "norm_placement")
+KNOWN_FAMILIES = ("stabkit-gpt", "torch-encoder", "hf-gpt2", "hf-llama", "nanogpt")
+"""Families whose roles stabkit knows by class and layout, not by guessing from names: a map by names
+of these (a model on the meta device, FSDP2-sharded) is trusted."""
 """Interventions that act on every attention call: module names alone may miss some."""
 TRACE_HINT = (
     "stabkit could not trace a forward of this model (it cannot make an input for it), and module names "
@@ -48,7 +51,7 @@ def model_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap |
                 "its attention runs in a kernel stabkit cannot see (register it with "
                 "stabkit.register_kernel), so the change could not be placed or checked",
             )
-        if mmap.found.get("attention") == "named" or not mmap.blocks:
+        if (mmap.found.get("attention") == "named" and mmap.family not in KNOWN_FAMILIES) or not mmap.blocks:
             impls = sorted({a.impl for a in mmap.attentions})
             raise InterventionError(
                 name, type(model).__name__, f"{TRACE_HINT} (attention: {', '.join(impls)})"
@@ -72,7 +75,7 @@ def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap 
             "no final logits found: the model's output is not computed by a projection after its last "
             "block (pass model_map= with output_head)",
         )
-    if override is None and mmap.logits.found == "named":
+    if override is None and mmap.logits.found == "named" and mmap.family not in KNOWN_FAMILIES:
         raise InterventionError(name, type(model).__name__, TRACE_HINT)
     return mmap.logits
 

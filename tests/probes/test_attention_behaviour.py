@@ -186,7 +186,11 @@ def test_unknown_attention_implementation_warns_once_and_training_continues() ->
             idx, tgt = zoo.batch(step)
             mon.step(zoo.lm_loss(model(idx), tgt))
     mon.flush()
-    said = [str(w.message) for w in caught if "stabkit" in str(w.message)]
+    said = [
+        str(w.message)
+        for w in caught
+        if "stabkit" in str(w.message) and "torch.compile" not in str(w.message)
+    ]
     assert len(said) == 1 and "blocks.1.attn" in said[0] and "register_kernel" in said[0], said
     # the readable attention module is measured at every sampled step, the opaque one never
     measured = [step for step, row in mon.history if "attn/blocks.0.attn/max_logit" in row]

@@ -77,7 +77,9 @@ def _patch(target: str, kernel: str) -> None:
     if found is None:
         return
     owner, attr, value = found
-    original = getattr(value, "__stabkit_original__", value)
+    if hasattr(value, "__stabkit_original__"):
+        return  # the same function, wrapped already under another of the kernel's import paths
+    original = value
     wrapper = make_visible(original)
     patched = _Patched(original, wrapper)
     setattr(owner, attr, wrapper)
