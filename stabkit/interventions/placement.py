@@ -21,17 +21,19 @@ Families:
 
 For sandwich by hooks the output norm sits on the sub-layer module's output, i.e. after any dropout
 inside that module (HF GPT-2's ``resid_dropout``): the module whose output is added to the residual
-stream. Discovery names the module that makes the attention *call*; when that one cannot output the
-block's width (a parameter-free child wrapping ``F.scaled_dot_product_attention`` that returns the
-heads before the out projection) the innermost ancestor inside the block that can is taken, and a
-norm is never hooked onto an output whose last dim is not its width (refused at apply time when the
-module's structure tells, else at the first forward, which `apply` runs to check). A block without
-attention (a hybrid's Mamba / convolution layer) gets its output norm on its token mixer's output
-when discovery found it pre-norm with a mixer and an MLP; otherwise it is refused, as is a block
-holding a sub-layer that discovery mapped to no role (a Mamba mixer beside the attention, a MoE
-beside a shared MLP) and a model whose layer list holds unmapped layers of the blocks' class: a
-sandwich on part of the model or of a block would be a silent partial no-op. Runs at each forward of
-the blocks.
+stream. When the module mapped for a sub-layer cannot output the block's width (a map naming a
+parameter-free child that wraps ``F.scaled_dot_product_attention`` and returns the heads before the
+out projection) the innermost ancestor inside the block that can is taken; none: refused. A norm is
+never hooked onto an output whose last dim is not its width (refused at apply time when the module's
+structure tells, else at the first forward, which `apply` runs to check it).
+
+Hybrids: a block without attention (a Mamba / convolution layer) gets an output norm on its token
+mixer's output when discovery found it pre-norm with a mixer and an MLP (otherwise it is refused,
+naming the block), and so does a mixer discovery found beside a block's attention (Falcon-H1's
+Mamba). Refused too, as a sandwich on part of a block or of the model would be a silent partial
+no-op: a block holding a child that looks like a sub-layer but has no role in the map, and a layer
+list holding layers of the blocks' class that are not mapped as blocks. Runs at each forward of the
+blocks.
 """
 
 from __future__ import annotations
@@ -195,7 +197,7 @@ def _mixer_block(handle: Handle, model: nn.Module, block: nn.Module, bmap: Block
 
 
 def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: BlockMap) -> None:
-    """Output norms on the attention (or token mixer) and MLP modules' outputs, registered on the block."""
+    """Output norms on the attention, token mixer and MLP modules' outputs, registered on the block."""
     targets: list[tuple[str, str, str]] = []
     for i, a in enumerate(bmap.attentions):
         _refuse_inline(bmap, a)
@@ -203,11 +205,9 @@ def _sandwich_hooks(handle: Handle, model: nn.Module, block: nn.Module, bmap: Bl
         targets.append(
             ("attn", OUT_NORMS["attn"] + (f"_{i}" if i else ""), _attention_output(model, bmap, a, width))
         )
-    if bmap.attention is None:
-        if bmap.mixer is None:
-            raise InterventionError(
-                NAME, bmap.path, "no token mixer module found for the sandwich output norm"
-            )
+    if bmap.attention is None and bmap.mixer is None:
+        raise InterventionError(NAME, bmap.path, "no token mixer module found for the sandwich output norm")
+    if bmap.mixer is not None:  # a hybrid's Mamba / conv layer, or a mixer beside the attention (Falcon-H1)
         width = _width(model, bmap, "mixer")
         targets.append(
             ("mixer", OUT_NORMS["mixer"], _output_module(model, bmap, bmap.mixer, width, "token mixer"))
@@ -405,6 +405,13 @@ def _rewire_post(handle: Handle, model: nn.Module, block: nn.Module, bmap: Block
         raise InterventionError(NAME, bmap.path, "the block has no attention sub-layer to rewire")
     if bmap.mlp is None:
         raise InterventionError(NAME, bmap.path, "no mlp module found to rewire")
+    if bmap.mixer is not None:
+        raise InterventionError(
+            NAME,
+            bmap.path,
+            f"the block has a token mixer ({bmap.mixer}) beside its attention, which the post-norm "
+            "forward (norm(x + attn(x)), then norm(h + mlp(h))) would leave out",
+        )
     width = _width(model, bmap, "attn")
     attn_path = _output_module(
         model, bmap, bmap.attention.path, width, f"attention sub-layer (call site {bmap.attention.path})"

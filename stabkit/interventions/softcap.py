@@ -119,6 +119,14 @@ def _route(a: Any, attn: nn.Module) -> str:
                 "FlexAttention can be capped)",
             )
         return "kernel"
+    if a.impl.startswith("hf:"):
+        raise InterventionError(
+            ATTN,
+            a.path,
+            f"Hugging Face attention implementation {a.impl[3:]!r} runs a kernel stabkit cannot cap here "
+            "(flex_attention is compiled by transformers); load the model with attn_implementation='sdpa' "
+            "or 'eager', or cap with the kernel itself",
+        )
     raise InterventionError(
         ATTN,
         a.path,

@@ -49,8 +49,14 @@ def refusal(entry: str, intervention: str) -> str | None:
         (r"hf-gemma2", "attn_softcap", r"soft-capped already"),
         (r"hf-gemma2", "logit_softcap", r"soft-caps its output logits already"),
         (r"hf-gemma2|hf-gemma3", "norm_placement", r"sandwich-norm already"),
-        # discovery maps the conv blocks' mixer and MLP but not where their norms sit (placement unknown)
-        (r"hand-hybrid-conv", "norm_placement", r"block without attention .*norm placement is unknown"),
+        # hybrids whose Mamba layers have no MLP (Zamba 2), or whose MLP is a MoE plus a shared MLP summed
+        (
+            r"hf-zamba2|hf-granitemoehybrid",
+            "norm_placement",
+            r"block without attention .*placement is unknown|no mlp module",
+        ),
+        # SigLIP's pooling head: one nn.MultiheadAttention without a residual connection
+        (r"hf-siglip", "norm_placement", r"needs the block's residual wiring"),
         # post-norm / output-norm blocks: sandwich needs a pre-norm block
         (
             r"hf-bert|hf-roberta|hf-distilbert|hf-electra|hf-bart|torch-transformer$|torch-decoder|torch-encoder-post"

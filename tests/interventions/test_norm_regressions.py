@@ -68,11 +68,26 @@ def _blocks_are_identity(model: nn.Module, idx: torch.Tensor, blocks: list[nn.Mo
 
 
 # ------------------------------------------------------------------ 1. SDPA through a child module
-def test_child_sdpa_is_mapped_at_the_child_and_its_output_has_the_heads_shape() -> None:
-    """What makes the case: discovery maps the call site at the child, whose output is (B, T, H, hd)."""
+def _child_sdpa(mapped: str) -> tuple[nn.Module, torch.Tensor, ModelMap | None]:
+    """The model, its input, and the map to apply with: None (discovery's own, traced on the input) or
+    one naming the SDPA-calling child as the attention, as discovery did before it learned to lift
+    the call to the module holding q/k (placement must still find the attention's output)."""
+    torch.manual_seed(0)
     model, idx = _zoo("hand-child-sdpa")
-    a = stabkit.inspect_model(model, example=idx).blocks[0].attention
-    assert a is not None and a.path == "layers.0.self_attn.sdpa"
+    _randomise(model)
+    mmap = stabkit.inspect_model(model, example=idx)
+    if mapped == "discovered":
+        return model, idx, None
+    mmap = copy.deepcopy(mmap)
+    for b in mmap.blocks:
+        assert b.attention is not None
+        b.attention.path, b.attention.out, b.attention.v = f"{b.path}.self_attn.sdpa", None, None
+    return model, idx, mmap
+
+
+def test_child_sdpa_outputs_the_heads_not_the_sublayer_output() -> None:
+    """What makes the case: the module calling SDPA returns (B, T, H, hd)."""
+    model, idx, _ = _child_sdpa("discovered")
     out: list[torch.Tensor] = []
     h = model.layers[0].self_attn.sdpa.register_forward_hook(lambda m, i, o: out.append(o))
     with torch.no_grad():
@@ -81,14 +96,12 @@ def test_child_sdpa_is_mapped_at_the_child_and_its_output_has_the_heads_shape() 
     assert out[0].shape == (*idx.shape, HEADS, DIM // HEADS)
 
 
-def test_sandwich_on_child_sdpa_norms_the_attention_output() -> None:
-    torch.manual_seed(0)
-    model, idx = _zoo("hand-child-sdpa")
-    _randomise(model)
-    stabkit.inspect_model(model, example=idx)
+@pytest.mark.parametrize("mapped", ["discovered", "at-child"])
+def test_sandwich_on_child_sdpa_norms_the_attention_output(mapped: str) -> None:
+    model, idx, mmap = _child_sdpa(mapped)
     with torch.no_grad():
         before = model(idx)
-    handle = apply(model, "norm_placement", to="sandwich")
+    handle = apply(model, "norm_placement", to="sandwich", model_map=mmap)
     layer = model.layers[0]
     assert layer.self_attn._forward_hooks and not layer.self_attn.sdpa._forward_hooks
     # independent: the block by hand, x + rms(attn(norm_in(x))) with a fresh gain-1 RMSNorm (eps 1e-6)
@@ -105,13 +118,11 @@ def test_sandwich_on_child_sdpa_norms_the_attention_output() -> None:
         assert torch.equal(model(idx), before)
 
 
-def test_post_on_child_sdpa_rewires_the_attention_module() -> None:
-    torch.manual_seed(0)
-    model, idx = _zoo("hand-child-sdpa")
-    _randomise(model)
-    stabkit.inspect_model(model, example=idx)
+@pytest.mark.parametrize("mapped", ["discovered", "at-child"])
+def test_post_on_child_sdpa_rewires_the_attention_module(mapped: str) -> None:
+    model, idx, mmap = _child_sdpa(mapped)
     reference = copy.deepcopy(model)
-    handle = apply(model, "norm_placement", to="post")
+    handle = apply(model, "norm_placement", to="post", model_map=mmap)
     for layer in reference.layers:  # independent: post-norm by hand on an untouched copy
 
         def post(x: torch.Tensor, b: nn.Module = layer) -> torch.Tensor:
@@ -179,16 +190,33 @@ class Stack(GPTBase):
         return x
 
 
-def test_sandwich_refused_when_only_the_block_makes_the_sublayer_output() -> None:
+def test_sandwich_when_the_block_applies_the_out_projection() -> None:
+    """The attention module holds no out projection (the block applies it): as mapped by discovery
+    (the call inline in the block, its output the block's ``proj``) the norm goes on ``proj``'s output;
+    a map naming the parameter-free child is refused, as no module between it and the block outputs
+    the sub-layer (never a norm on the child's output, which is not what the residual adds)."""
     torch.manual_seed(0)
     model, idx = Stack(OutProjInBlock), torch.randint(0, 96, (2, 12))
-    assert stabkit.inspect_model(model, example=idx).blocks[0].attention.path == "layers.0.attn"  # type: ignore[union-attr]
+    mmap = copy.deepcopy(stabkit.inspect_model(model, example=idx))
+    for b in mmap.blocks:
+        assert b.attention is not None
+        b.attention.path, b.attention.output = f"{b.path}.attn", None
     keys = list(model.state_dict())
     with pytest.raises(
-        InterventionError, match=r"norm_placement: cannot apply to layers\.0\.attn: .*width 32"
+        InterventionError,
+        match=r"norm_placement: cannot apply to layers\.0\.attn: no module from 'layers\.0\.attn' .*width 32",
     ):
-        apply(model, "norm_placement", to="sandwich")
+        apply(model, "norm_placement", to="sandwich", model_map=mmap)
     assert list(model.state_dict()) == keys and not model.layers[0].attn._forward_hooks
+    try:
+        handle = apply(model, "norm_placement", to="sandwich")
+    except InterventionError as exc:  # discovery naming the child: refused the same way
+        assert "width 32" in str(exc) or "inline" in str(exc)
+        return
+    assert not model.layers[0].attn._forward_hooks
+    _zero_new_gains(handle)
+    _blocks_are_identity(model, idx, list(model.layers))
+    handle.remove()
 
 
 def test_a_norm_is_never_hooked_onto_an_output_of_another_width() -> None:
@@ -411,12 +439,16 @@ def test_hybrid_discovery_maps_the_conv_blocks_without_attention() -> None:
 
 @pytest.mark.parametrize("to", ["post", "pre"])
 def test_hybrid_blocks_without_attention_refuse_pre_and_post_naming_the_block(to: str) -> None:
-    model, _, _ = _hybrid()
+    model, _, mmap = _hybrid()
+    mmap = _pre_norm_map(mmap)
+    for b in mmap.blocks:  # a post-norm model for to="pre" (none of its blocks is pre-norm already)
+        b.placement = "post" if to == "pre" else b.placement
     keys = list(model.state_dict())
     with pytest.raises(
-        InterventionError, match=r"norm_placement: cannot apply to layers\.0: block without attention"
+        InterventionError,
+        match=rf"norm_placement: cannot apply to layers\.0: block without attention .*switching it to {to}-norm",
     ):
-        apply(model, "norm_placement", to=to)
+        apply(model, "norm_placement", to=to, model_map=mmap)
     assert list(model.state_dict()) == keys
 
 
@@ -503,11 +535,41 @@ class ParallelMixerBlock(Block):
         return x + self.ff(self.norm2(x))
 
 
-def test_unmapped_sublayer_beside_the_attention_is_refused() -> None:
+def _parallel_mixer() -> tuple[nn.Module, torch.Tensor, ModelMap]:
+    torch.manual_seed(0)
     model, idx = Stack(ParallelMixerBlock), torch.randint(0, 96, (2, 12))
+    _randomise(model)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mmap = stabkit.inspect_model(model, example=idx)
-    assert mmap.blocks[0].placement == "pre" and mmap.blocks[0].mixer is None
+        return model, idx, stabkit.inspect_model(model, example=idx)
+
+
+def test_sandwich_norms_a_mixer_beside_the_attention() -> None:
+    model, idx, mmap = _parallel_mixer()
+    if mmap.blocks[0].mixer is None:  # discovery does not see the parallel mixer: refused, as below
+        with pytest.raises(InterventionError, match=r"cannot apply to layers\.0: its child 'conv_mixer'"):
+            apply(model, "norm_placement", to="sandwich")
+        return
+    assert mmap.blocks[0].mixer == "layers.0.conv_mixer"
+    handle = apply(model, "norm_placement", to="sandwich")
+    block = model.layers[0]
+    x = torch.randn(2, 7, DIM)
+    ln = lambda t: F.layer_norm(t, (DIM,), eps=1e-5)  # noqa: E731
+    h = block.norm1(x)
+    x1 = x + ln(block.attn.forward(h)) + ln(block.conv_mixer.forward(h))
+    with torch.no_grad():
+        torch.testing.assert_close(block(x), x1 + ln(block.ff.forward(block.norm2(x1))), rtol=1e-5, atol=1e-6)
+    _zero_new_gains(handle)
+    _blocks_are_identity(model, idx, list(model.layers))
+    handle.remove()
+
+
+def test_unmapped_sublayer_beside_the_attention_is_refused() -> None:
+    model, _, mmap = _parallel_mixer()
+    mmap = copy.deepcopy(mmap)
+    for b in mmap.blocks:
+        b.mixer = None  # a map that misses the mixer (as discovery did before it looked for one)
+    keys = list(model.state_dict())
     with pytest.raises(InterventionError, match=r"cannot apply to layers\.0: its child 'conv_mixer'"):
-        apply(model, "norm_placement", to="sandwich")
+        apply(model, "norm_placement", to="sandwich", model_map=mmap)
+    assert list(model.state_dict()) == keys
