@@ -31,6 +31,7 @@ SHORT = [
     (r"not plain slices", "own QK-norm"),
     (r"residual wiring|no norm guarding", "post-norm"),
     (r"no mlp module", "no MLP in unit"),
+    (r"block without attention", "hybrid layer"),
     (r"no nn\.LayerNorm", "no LayerNorm"),
     (r"bias", "LN bias"),
     (r"no final logits", "no logits"),
@@ -53,7 +54,7 @@ def outcome(name: str, intervention: str) -> str:
             return f"{switching.group(1)}-norm"
         return next((short for pattern, short in SHORT if re.search(pattern, text)), "refused")
     try:
-        checks._verify(intervention, zoo, handle, before)
+        checks._verify(intervention, zoo, handle, before, name)
     except Exception:
         return "FAIL"
     finally:
