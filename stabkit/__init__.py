@@ -4,16 +4,17 @@ Attach hooks to any PyTorch Transformer (`attach`), read where its roles sit (`i
 and watch per-layer stability statistics in TensorBoard.
 
 `import stabkit` is light: the public names below (and the subpackages, e.g.
-``stabkit.interventions``) load on first use (PEP 562), so the CLI answers ``--help`` without
-importing torch.
+``stabkit.interventions``) load on first use (PEP 562, `stabkit.lazy`), so the CLI answers
+``--help`` without importing torch.
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .events import Event, InstabilityError
+from .lazy import lazy
 
 if TYPE_CHECKING:
     from .attention.kernels import register_kernel
@@ -75,21 +76,7 @@ _SUBMODULES = frozenset(
 ``stabkit.interventions``)."""
 
 
-def __getattr__(name: str) -> Any:
-    """Load a public name (or a subpackage) the first time it is asked for, then keep it."""
-    module = _LAZY.get(name)
-    if module is not None:
-        value = getattr(importlib.import_module(f".{module}", __name__), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
-        raise AttributeError(f"module 'stabkit' has no attribute {name!r}")
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__) | _SUBMODULES)
+__getattr__, __dir__ = lazy(__name__, _LAZY, _SUBMODULES)
 
 
 __all__ = [

@@ -1,34 +1,67 @@
-"""`DetectConfig`: what the detectors watch, their thresholds, and what happens on an event.
+"""`DetectConfig`: which detectors run, what happens on an event, and each plug-in's options.
 
-Read once when a Monitor attaches; never changed afterwards. Defaults come from published
-practice (see each field) and were checked against 2000-step runs of the tiny reference GPT.
-A leaf: it imports only `stabkit.plugins` (for the names of the detectors and actions it accepts).
+Read once when a Monitor attaches; never changed afterwards. It holds only what belongs to no one
+plug-in (`actions`, `detectors`, `sync`); every setting of a detector or an action is in `options`,
+by plug-in name, checked against that plug-in's options dataclass (its ``options_class``, in the
+plug-in's own file: e.g. `stabkit.detectors.spike.SpikeOptions`) whose defaults come from published
+practice. The one range check is the ``bounds`` metadata of those dataclasses' fields, read by
+`stabkit.tables.fill`; an error names the plug-in and the field (``DetectConfig.options.spike.window:
+must be an integer >= 1, got 0``).
+
+A leaf: it imports only `stabkit.plugins` (the names of the detectors and actions) and
+`stabkit.tables` (the check). Building a config loads no plug-in code, except the options class of
+a plug-in named in `options` (checked when the config is built).
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields, replace
-from typing import Any, TypeVar
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
 from .plugins import ACTIONS, DETECTORS
+from .tables import fill, merged
 
 OptionsT = TypeVar("OptionsT")
 
-LossFn = Callable[..., Any]
-"""`loss_fn(output, *args, **kwargs) -> scalar loss`: recomputes a step's loss from the model output and inputs."""
+MOVED: dict[str, str] = {
+    **{f"spike_{k}": f"options.spike.{k}" for k in ("series", "window", "sigma", "min_ratio", "factor")},
+    "spike_min_history": "options.spike.min_history",
+    "score_window": "options.spike.score_window",
+    "score_sigma": "options.spike.score_sigma",
+    "drift_window": "options.drift.window",
+    **{
+        k: f"options.drift.{k}"
+        for k in (
+            "attn_logit_level",
+            "attn_logit_growth",
+            "logz_level",
+            "logz_change",
+            "residual_level",
+            "residual_growth",
+        )
+    },
+    **{
+        k: f"options.nonfinite.{k}"
+        for k in (
+            "check_output",
+            "optimizer_check_every",
+            "localize",
+            "keep_output_grad",
+            "loss_fn",
+            "per_module",
+        )
+    },
+    **{k: f"options.rollback.{k}" for k in ("snapshot_every", "snapshots", "snapshot_device")},
+    "dump_dir": "options.dump.dir",
+    "nonfinite": "detectors",
+    "drift": "detectors",
+}
+"""The flat settings DetectConfig had before each plug-in got its options dataclass: old keyword ->
+where it went (a dotted key of DetectConfig). Giving one raises an error that names the new place."""
 
 
-def _default_actions() -> dict[str, Any]:
-    return {}
-
-
-def _default_min_ratio() -> dict[str, float]:
-    return {"loss": 1.5, "grad/*": 5.0, "update/*": 2.0, "*": 1.0}
-
-
-@dataclass
+@dataclass(init=False)
 class DetectConfig:
     """Settings of the detectors and actions of one Monitor.
 
@@ -42,82 +75,51 @@ class DetectConfig:
 
     Cost, measured against the bare Monitor on a d128 4-layer GPT (one CPU thread, batch 8×64):
     defaults about +1 % step time; per-step decisions about +2.5 % (including the every-step
-    optimizer-state check); ``per_module`` about 3×. A replay costs about one extra step, on a hit only.
+    optimizer-state check); ``options={"nonfinite": {"per_module": True}}`` about 3×. A replay costs
+    about one extra step, on a hit only.
     """
 
-    actions: dict[str, Any] = field(default_factory=_default_actions)
-    """Per event kind (a detector's name: 'nonfinite', 'spike', 'drift', 'amp', 'attn_entropy', or a
-    registered plug-in's): an action or a list of them ('warn', 'raise', 'skip', 'rollback', 'dump', or a
-    registered action). Kinds not named warn."""
+    actions: dict[str, Any] = field(default_factory=dict)
+    """Per event kind (a detector's name in `stabkit.plugins.DETECTORS`; ``stabkit list plugins``): an
+    action or a list of them (a name in `stabkit.plugins.ACTIONS`: warn, raise, skip, rollback, dump,
+    rescue, or a registered one). Kinds not named warn."""
     detectors: tuple[str, ...] | None = None
     """Which detectors run (names in `stabkit.plugins.DETECTORS`); None = every registered one."""
-    options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    """Settings of plug-in detectors and actions, by name: ``{"attn_entropy": {"drop": 0.5}, "rescue":
-    {"lr_factor": 0.5}}`` (each plug-in's options dataclass says what it takes)."""
+    options: dict[str, dict[str, Any]] = field(default_factory=dict, metadata=merged())
+    """Settings of the detectors and actions, by plug-in name, each checked against that plug-in's
+    options dataclass: ``{"spike": {"window": 64}, "nonfinite": {"per_module": True}, "rollback":
+    {"snapshot_every": 25}, "attn_entropy": {"drop": 0.5}, "rescue": {"lr_factor": 0.5}}``. A recipe's
+    variant lays its ``options`` over the recipe's key by key."""
     sync: bool | None = None
     """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
     they are localized: None = yes on a CPU (it costs nothing there), no on an accelerator (where the
     per-step copy stalls the device; `stabkit bench` measures it) — the event then says how to turn it on."""
-    nonfinite: bool = True
-    """Check the loss, the global gradient norm and the model output for NaN/Inf every step (device-side)."""
-    check_output: bool = True
-    """Per-step max of the model output (one read of the logits): finite iff log Z is finite, so log Z is checked every step."""
-    optimizer_check_every: int | None = None
-    """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' has an action other than warn, else every MonitorConfig.every)."""
-    localize: bool = True
-    """On a decided non-finite step, replay it with per-module checks and name the module, pass and tensor that produced it."""
-    keep_output_grad: bool = True
-    """Keep dL/d(output) until the optimizer step so the backward pass can be replayed (one output-sized tensor; see loss_fn)."""
-    loss_fn: LossFn | None = None
-    """`loss_fn(output, *args, **kwargs) -> loss` for replaying the backward pass; when set, no output gradient is kept."""
-    per_module: bool = False
-    """Always-on mode: per-module finite checks (forward, backward, parameter grads) on every step; costly, no replay needed."""
-    spike_series: tuple[str, ...] = ("loss", "grad/global_norm", "grad/*/norm", "update/*/ratio")
-    """Globs of the metrics the spike detector watches."""
-    spike_window: int = 128
-    """Values of each series in the rolling window (OLMo's StabilityMonitor: 128 steps)."""
-    spike_sigma: float = 6.0
-    """A spike is at least this many robust standard deviations above the rolling median (OLMo: mean + 6σ)."""
-    spike_min_ratio: dict[str, float] = field(default_factory=_default_min_ratio)
-    """Glob -> the value must also be at least this multiple of the rolling median (first matching glob wins)."""
-    spike_factor: float | None = 10.0
-    """A value at least this multiple of the rolling median is a spike whatever σ says (Megatron: 10×); None = off."""
-    spike_min_history: int = 64
-    """Values a series needs before it can spike (half the window, like OLMo-core's skip-step)."""
-    score_window: int = 1000
-    """OLMo 2 spike score: values in the rolling mean/std window."""
-    score_sigma: float = 7.0
-    """OLMo 2 spike score: distance from the rolling mean, in standard deviations, that counts as a spike."""
-    drift: bool = True
-    """Watch max attention logit, log Z and residual RMS for sustained growth."""
-    drift_window: int = 20
-    """Values (sampled steps) in the robust-slope window of each drift series."""
-    attn_logit_level: float = 50.0
-    """Drift on attention logits only above this max |logit| (Gemma 2 and Rybakov et al. cap at 50)."""
-    attn_logit_growth: float = 0.25
-    """... and when the fitted max logit grew by at least this fraction over the window."""
-    logz_level: float = 10.0
-    """Drift on log Z only when mean log Z is at least this many nats from log(vocab) (its value at zero logits)."""
-    logz_change: float = 0.5
-    """... and moved at least this many nats away over the window."""
-    residual_level: float = 30.0
-    """Drift on residual RMS only above this multiple of the series' first values (Rybakov et al.: 2× in diverging runs)."""
-    residual_growth: float = 0.25
-    """... and when the fitted RMS grew by at least this fraction over the window."""
-    snapshot_every: int = 100
-    """Rollback: take an in-memory snapshot of model and optimizer state every N steps (PaLM restarted ~100 steps back)."""
-    snapshots: int = 2
-    """Rollback: keep the K newest snapshots (memory: K × (model + optimizer state))."""
-    snapshot_device: str | None = None
-    """Rollback: where snapshots live (None = beside each tensor; 'cpu' saves accelerator memory at a copy cost)."""
-    dump_dir: str | None = None
-    """Dump: directory for batches and state reports (None = `<logdir>/stabkit-dumps`)."""
+    _checked: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
+
+    MOVED: ClassVar[dict[str, str]] = MOVED
+
+    def __init__(
+        self,
+        actions: Mapping[str, Any] | None = None,
+        detectors: Sequence[str] | None = None,
+        options: Mapping[str, Mapping[str, Any]] | None = None,
+        sync: bool | None = None,
+        **moved: Any,
+    ) -> None:
+        if moved:
+            raise TypeError(_moved_message(moved))
+        self.actions = dict(actions) if isinstance(actions, Mapping) else actions  # type: ignore[assignment]
+        self.detectors = detectors  # type: ignore[assignment]
+        self.options = options if options is not None else {}  # type: ignore[assignment]
+        self.sync = sync
+        self._checked = {}
+        self.__post_init__()
 
     def __post_init__(self) -> None:
         if self.sync is not None and not isinstance(self.sync, bool):
             raise ValueError(f"DetectConfig.sync must be None (auto), True or False, got {self.sync!r}")
-        if self.snapshot_device is not None:
-            _check_device(self.snapshot_device)
+        if self.actions is None:
+            self.actions = {}
         if not isinstance(self.actions, dict):
             raise ValueError(
                 f"DetectConfig.actions must be a dict kind -> action(s), got {type(self.actions).__name__}"
@@ -136,79 +138,51 @@ class DetectConfig:
                 raise ValueError(
                     f"DetectConfig.detectors names unknown detector(s) {missing}; known: {list(kinds)}"
                 )
-        if not isinstance(self.options, dict) or not all(
-            isinstance(k, str) and isinstance(v, dict) for k, v in self.options.items()
+        if not isinstance(self.options, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, Mapping) for k, v in self.options.items()
         ):
             raise ValueError(
-                'DetectConfig.options must map detector names to dicts, e.g. {"attn_entropy": {"drop": 0.5}}'
+                'DetectConfig.options must map plug-in names to dicts, e.g. {"spike": {"window": 64}}'
             )
-        known = [*kinds, *ACTIONS.names()]
+        self.options = {k: dict(v) for k, v in self.options.items()}
+        known = [*kinds, *(a for a in ACTIONS.names() if a not in kinds)]
         unknown = sorted(set(self.options) - set(known))
         if unknown:
             raise ValueError(
                 f"DetectConfig.options names unknown detector(s) or action(s) {unknown}; known: {known}"
             )
-        for name in ("spike_window", "score_window", "drift_window", "snapshot_every", "snapshots"):
-            _check_int(name, getattr(self, name), 1)
-        if self.optimizer_check_every is not None:
-            _check_int("optimizer_check_every", self.optimizer_check_every, 0)
-        _check_int("spike_min_history", self.spike_min_history, 2)
-        if self.drift_window < 5:
-            raise ValueError(
-                f"DetectConfig.drift_window must be >= 5 (a slope needs points), got {self.drift_window}"
-            )
-        for name in ("spike_sigma", "score_sigma", "attn_logit_growth", "logz_change", "residual_growth"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or not value > 0:
-                raise ValueError(f"DetectConfig.{name} must be a number > 0, got {value!r}")
-        for name in ("attn_logit_level", "logz_level", "residual_level"):
-            value = getattr(self, name)
-            if not isinstance(value, int | float) or value < 0:
-                raise ValueError(f"DetectConfig.{name} must be a number >= 0, got {value!r}")
-        if self.spike_factor is not None and not (
-            isinstance(self.spike_factor, int | float) and self.spike_factor > 1
-        ):
-            raise ValueError(
-                f"DetectConfig.spike_factor must be None or a number > 1, got {self.spike_factor!r}"
-            )
-        if isinstance(self.spike_series, str) or not all(isinstance(s, str) for s in self.spike_series):
-            raise ValueError(
-                "DetectConfig.spike_series must be a sequence of metric-name globs, e.g. ('loss', 'grad/*/norm')"
-            )
-        self.spike_series = tuple(self.spike_series)
-        if not isinstance(self.spike_min_ratio, dict) or not all(
-            isinstance(k, str) and isinstance(v, int | float) and v >= 1
-            for k, v in self.spike_min_ratio.items()
-        ):
-            raise ValueError(
-                "DetectConfig.spike_min_ratio must map metric globs to numbers >= 1, e.g. {'loss': 1.5}"
-            )
-        if self.loss_fn is not None and not callable(self.loss_fn):
-            raise ValueError(
-                "DetectConfig.loss_fn must be None or a callable loss_fn(output, *args, **kwargs) -> loss"
-            )
+        self._checked = {}
+        for name in self.options:  # checked now (a recipe's error is reported when it is loaded)
+            cls = _options_class(name)
+            if cls is not None:
+                self.options_for(name, cls)
 
-    def min_ratio(self, series: str) -> float:
-        """The minimum multiple of the rolling median a spike of `series` must reach."""
-        for pattern, ratio in self.spike_min_ratio.items():
-            if fnmatch.fnmatchcase(series, pattern):
-                return float(ratio)
-        return 1.0
+    if not TYPE_CHECKING:  # (hidden from type checkers, which keep flagging unknown attributes)
 
-    def options_for(self, name: str, options_class: type[OptionsT]) -> OptionsT:
-        """`options[name]` as `options_class` (a dataclass of a plug-in's settings), at attach; a
-        ValueError names the plug-in and the bad or unknown key."""
-        given = dict(self.options.get(name, {}))
-        known = {f.name for f in fields(options_class)}  # type: ignore[arg-type]
-        unknown = sorted(set(given) - known)
-        if unknown:
-            raise ValueError(
-                f"DetectConfig.options[{name!r}] has unknown key(s) {unknown}; allowed: {sorted(known)}"
-            )
-        try:
-            return options_class(**given)
-        except (TypeError, ValueError) as exc:
-            raise ValueError(f"DetectConfig.options[{name!r}]: {exc}") from exc
+        def __getattr__(self, name: str) -> Any:
+            if name in MOVED:  # a flat setting of the older API, read by old code
+                raise AttributeError(_moved_message({name: ...}, reading=True))
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @overload
+    def options_for(self, name: str) -> Any: ...
+
+    @overload
+    def options_for(self, name: str, options_class: type[OptionsT]) -> OptionsT: ...
+
+    def options_for(self, name: str, options_class: type[Any] | None = None) -> Any:
+        """The options of plug-in `name`: ``options[name]`` over the defaults of its options dataclass
+        (`options_class`, else the plug-in's declared ``options_class``, loaded from the registry),
+        checked by `stabkit.tables.fill` (types, ``bounds``, the dataclass's own checks); a ValueError
+        names the plug-in and the key (``DetectConfig.options.<name>.<key>: ...``). Cached."""
+        cls = options_class if options_class is not None else _options_class(name)
+        if cls is None:
+            raise ValueError(f"stabkit: the plug-in {name!r} declares no options_class")
+        made = self._checked.get(name)
+        if made is None or type(made) is not cls:
+            made = fill(cls, self.options.get(name, {}), f"DetectConfig.options.{name}")
+            self._checked[name] = made
+        return made
 
     def resolved(self, device_type: str) -> DetectConfig:
         """This config with `sync` decided for a model on `device_type` (called once at attach)."""
@@ -217,16 +191,48 @@ class DetectConfig:
         return replace(self, sync=device_type == "cpu")
 
     def runs(self, kind: str) -> bool:
-        """True when the detector of `kind` is switched on (`detectors`, and the older switches
-        `nonfinite` / `drift` for those two kinds)."""
-        if (kind == "nonfinite" and not self.nonfinite) or (kind == "drift" and not self.drift):
-            return False
+        """True when the detector of `kind` is switched on (`detectors`)."""
         return self.detectors is None or kind in self.detectors
 
     def needs_sync(self, kind: str) -> bool:
         """True when `kind` must be decided every step on the host (an action other than warn)."""
         acts = self.actions.get(kind, ("warn",))
         return any(a != "warn" for a in acts) or (kind == "nonfinite" and bool(self.sync))
+
+
+def _options_class(name: str) -> type[Any] | None:
+    """The options dataclass plug-in `name` declares (a detector first, then an action), or None."""
+    for registry in (DETECTORS, ACTIONS):
+        if name in registry:
+            cls = getattr(registry.load(name), "options_class", None)
+            if cls is not None:
+                return cls
+    return None
+
+
+def _moved_message(moved: Mapping[str, Any], reading: bool = False) -> str:
+    """What to write instead of the flat settings in `moved` (old keyword -> value)."""
+    parts = []
+    for key in moved:
+        new = MOVED.get(key)
+        if new is None:
+            parts.append(
+                f"DetectConfig has no setting {key!r}; its settings: actions, detectors, options, sync"
+            )
+        elif new == "detectors":
+            others = [k for k in DETECTORS.names() if k != key]
+            parts.append(
+                f"DetectConfig.{key} moved: list the detectors to run without it, "
+                f"DetectConfig(detectors={others!r})"
+            )
+        else:
+            _, plugin, option = new.split(".")
+            if reading:
+                where = f"DetectConfig.options_for({plugin!r}).{option}"
+            else:
+                where = f"DetectConfig(options={{{plugin!r}: {{{option!r}: ...}}}})"
+            parts.append(f"DetectConfig.{key} moved to the {plugin!r} options: {where}")
+    return "stabkit: " + "; ".join(parts)
 
 
 def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:
@@ -236,26 +242,3 @@ def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:
             f"DetectConfig.actions[{kind!r}] must be one of {list(ACTIONS.names())} or a list of them, got {value!r}"
         )
     return tuple(dict.fromkeys(acts))
-
-
-def _check_int(name: str, value: Any, low: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        raise ValueError(f"DetectConfig.{name} must be an integer >= {low}, got {value!r}")
-
-
-def _check_device(name: object) -> None:
-    """Raise ValueError unless `name` names a device torch knows of and has here ('cpu', 'cuda:1', ...)."""
-    import torch
-
-    try:
-        device = torch.device(name)  # type: ignore[call-overload]
-    except (RuntimeError, TypeError) as exc:
-        raise ValueError(
-            f"DetectConfig.snapshot_device must be None or a torch device such as 'cpu' or 'cuda:0', got {name!r}"
-        ) from exc
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"DetectConfig.snapshot_device={name!r}, but CUDA is not available here")
-    if device.type not in ("cpu", "cuda", "mps", "xpu"):
-        raise ValueError(
-            f"DetectConfig.snapshot_device={name!r}: snapshots can live on cpu, cuda, mps or xpu devices"
-        )

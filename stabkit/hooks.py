@@ -9,8 +9,8 @@ Order at attach (the Monitor registers in this order, so hooks of the same event
 1. the Monitor's input guard (forward pre-hook on the root: refuses an empty batch);
 2. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention): their
    forward hooks and the gradient probe's optimizer step pre-/post-hooks;
-3. the detectors' step guard (root forward pre-/post-hooks), tracer (with ``per_module``) and the
-   decider's optimizer step pre-/post-hooks — after the gradient probe's, so the step's gradient
+3. the detectors' device checks (`stabkit.nonfinite`: step guard on the root's forward, tracer with
+   ``per_module``) and `stabkit.decisions.Decisions`' optimizer step pre-/post-hooks — after the gradient probe's, so the step's gradient
    norm is recorded before it is judged;
 4. integrations (e.g. the Hugging Face callback's loss hook), through `Monitor.hooks`.
 

@@ -1,7 +1,8 @@
 """`stabkit.attach` and `Monitor`: the one place that wires discovery, probes, detectors, actions,
 stats and sinks. Every hook on the user's model and optimizer is registered here, through the
 Monitor's `HookSet` (`stabkit.hooks`), in this order: the input guard, the probes (in
-`stabkit.plugins.PROBES` order), the detectors (step guard, tracer, optimizer hooks).
+`stabkit.plugins.PROBES` order), the detectors (`stabkit.decisions`: their device parts' hooks —
+the non-finite step guard, tracer — and the optimizer hooks).
 
 Timeline of one training step with a monitor attached:
 1. forward: probes' forward hooks add device statistics (sampled steps only);
@@ -28,8 +29,8 @@ from torch import nn
 from . import lifecycle
 from .attach_checks import check_inputs, check_optimizer, forget_compiled_code, unwrap_compiled
 from .config import MonitorConfig
+from .decisions import Decisions, Wiring
 from .detect_config import DetectConfig
-from .detectors.wiring import DetectorSet, Wiring
 from .discovery import DiscoveryError, ModelMap, inspect_model
 from .discovery.discover import logits_only, needs_first_forward, report_gaps, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
@@ -104,8 +105,9 @@ class Monitor:
         self.flush_every_step = False
         """Set on SIGTERM (`stabkit.lifecycle`): every `step()` writes out at once."""
         self.probes: list[Probe] = []
-        self.detectors: DetectorSet | None = None
-        """The detectors and actions, installed after the probes; None when `MonitorConfig.detect` is None."""
+        self.detectors: Decisions | None = None
+        """The detectors and actions (`stabkit.decisions`), installed after the probes; None when
+        `MonitorConfig.detect` is None."""
         self.audit_report: Any = None
         self._pending: list[Any] | None = None
         self.sinks = rank_sinks(self.logdir, self.config, self.dist)  # only rank 0 writes under DDP/FSDP
@@ -194,7 +196,7 @@ class Monitor:
             detect = cfg.detect
             if detect is None and self.scaler is not None and self.scaler.is_enabled():
                 # the fp16 overflow report comes with attach(..., scaler=...), detectors or not
-                detect = DetectConfig(detectors=("amp",), nonfinite=False)
+                detect = DetectConfig(detectors=("amp",))
             self.detectors = self.install_detectors(detect) if detect is not None else None
         except BaseException:
             self._remove_hooks()
@@ -223,7 +225,7 @@ class Monitor:
             report_gaps(self.model, mmap)
             return mmap
 
-    def install_detectors(self, config: DetectConfig | None = None) -> DetectorSet:
+    def install_detectors(self, config: DetectConfig | None = None) -> Decisions:
         """Attach detectors and actions (after the probes; `attach` does it from `MonitorConfig.detect`).
         Replaces detectors installed before."""
         if self.detectors is not None:
@@ -239,15 +241,13 @@ class Monitor:
             step=lambda: self._step,
             report=self.report,
             muted=self._muted,
-            logdir=lambda: self.logdir,
-            metrics=lambda: self.metrics,
-            device_type=self._device.type,
+            logdir=self.logdir,
+            metrics=self.metrics,
             sampled_every=self.config.every,
-            scaled=scaled,
-            overflowed=lambda: grad is not None and grad.skipped,
             distributed=self.dist.active,
+            overflowed=(lambda: grad is not None and grad.skipped) if scaled else None,
         )
-        self.detectors = DetectorSet(wiring, config or DetectConfig())
+        self.detectors = Decisions(wiring, config or DetectConfig())
         return self.detectors
 
     @contextlib.contextmanager

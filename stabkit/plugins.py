@@ -1,4 +1,5 @@
-"""The plug-in registries: one plain name -> class table per family (probes, detectors, actions).
+"""The plug-in registries: one plain name -> class table per family (probes, detectors, actions,
+interventions).
 
 A plug-in is one file holding one class; it joins its family with a decorator::
 
@@ -15,14 +16,15 @@ torch) and importing a family loads nothing until a plug-in is used. This module
 from stabkit (a leaf): configs, the monitor and the plug-ins themselves all import it.
 
 When it runs: names are read when a config is built; classes are loaded when the monitor attaches
-(`Registry.load`), once per process.
+(`Registry.load`), once per process. A plug-in outside stabkit registers when its module is imported:
+import it before a config, `attach` or `apply` names it.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Iterator
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Generic, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -38,7 +40,7 @@ class Registry(Generic[T]):
         on_register: Callable[[Any], None] | None = None,
     ) -> None:
         self.family = family
-        """What the entries are ('probe', 'detector', 'action'), for error messages."""
+        """What the entries are ('probe', 'detector', 'action', 'intervention'), for error messages."""
         self._name_attr = name_attr
         self._entries: dict[str, T | str] = dict(builtins)
         self._on_register = on_register
@@ -128,10 +130,10 @@ PROBES: Registry[Any] = Registry(
 DETECTORS: Registry[Any] = Registry(
     "detector",
     {
-        "nonfinite": "stabkit.detectors.nonfinite_kind:NonfiniteDetector",
+        "nonfinite": "stabkit.nonfinite.kind:NonfiniteDetector",
         "spike": "stabkit.detectors.spike:SpikeDetector",
         "drift": "stabkit.detectors.drift:DriftDetector",
-        "amp": "stabkit.detectors.amp:AmpDetector",
+        "amp": "stabkit.nonfinite.amp:AmpDetector",
         "attn_entropy": "stabkit.detectors.entropy:EntropyCollapseDetector",
     },
     "kind",
@@ -151,3 +153,54 @@ ACTIONS: Registry[Any] = Registry(
     "name",
 )
 """Actions (`stabkit.actions.base.Action`): what happens on an event, per `DetectConfig.actions`."""
+
+
+INTERVENTIONS: Registry[Any] = Registry(
+    "intervention",
+    {
+        "rmsnorm": "stabkit.interventions.rmsnorm:RMSNormIntervention",
+        "norm_placement": "stabkit.interventions.placement:NormPlacementIntervention",
+        "qk_norm": "stabkit.interventions.qknorm:QKNormIntervention",
+        "attn_softcap": "stabkit.interventions.softcap:AttnSoftcapIntervention",
+        "logit_softcap": "stabkit.interventions.softcap:LogitSoftcapIntervention",
+        "z_loss": "stabkit.interventions.zloss:ZLossIntervention",
+    },
+    "name",
+)
+"""Interventions (`stabkit.interventions.Intervention`): reversible surgery switched on by
+`stabkit.interventions.apply`, ``attach(interventions=...)``, recipes and the 'rescue' action; applied
+in their canonical `order` (`stabkit.interventions.ORDER`), not in this table's order."""
+
+
+class LiveNames(Sequence[str]):
+    """A read-only sequence of names recomputed by `compute` on every use: a module-level constant
+    that still sees plug-ins registered after import (``name in LIVE``, ``list(LIVE)``, ``LIVE[0]``)."""
+
+    def __init__(self, compute: Callable[[], Sequence[str]]) -> None:
+        self._compute = compute
+
+    @overload
+    def __getitem__(self, index: int) -> str: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[str]: ...
+
+    def __getitem__(self, index: int | slice) -> str | Sequence[str]:
+        return tuple(self._compute())[index]
+
+    def __len__(self) -> int:
+        return len(self._compute())
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(self._compute()))
+
+    def __contains__(self, name: object) -> bool:
+        return name in tuple(self._compute())
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, LiveNames) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(tuple(self))

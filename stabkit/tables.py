@@ -1,14 +1,18 @@
 """Fill a dataclass from a plain table (a TOML table, a dict), checking every key and value.
 
-`fill(cls, table, section)` is the one loader behind recipe files: each key must be a field of
-`cls`, each value must fit the field's annotation (int, float, bool, str, Literal, Optional,
-tuples, lists, sets, dicts, unions of those), and a field may carry a range (`bounds`, in its
-metadata). Anything wrong raises a `TableError` naming ``section.key`` and what is allowed; the
-dataclass's own ``__post_init__`` errors are re-raised naming ``section.<field>`` when the message
-says which field (``ClassName.field ...``). TOML has no null: an Optional field takes the string
-``"none"``.
+`fill(cls, table, section)` is the one loader behind recipe files and plug-in options: each key
+must be a field of `cls`, each value must fit the field's annotation (int, float, bool, str, Literal,
+Optional, tuples, lists, sets, dicts, callables, unions of those), and a field may carry a range
+(`bounds`, in its metadata) — the one range check of every config filled this way. Anything wrong
+raises a `TableError` naming ``section.key`` and what is allowed; the dataclass's own
+``__post_init__`` errors are re-raised naming ``section.<field>`` when the message says which field
+(``ClassName.field ...``), or the nested key a `TableError` from it names (``ClassName.a.b`` ->
+``section.a.b``). TOML has no null: an Optional field takes the string ``"none"`` (or None from
+Python). A field marked `merged` is laid over the base's value key by key (nested tables too)
+instead of replacing it; a dataclass may list keys that moved elsewhere in a class attribute
+``MOVED`` (old key -> its new dotted key), named in the unknown-key error.
 
-Stdlib only; imported by nothing but the loaders that use it.
+Stdlib only; imported by nothing but the loaders and configs that use it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import math
 import re
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar, Union
 
@@ -28,6 +32,8 @@ NONE = "none"
 """The string an Optional field takes for None (TOML has no null)."""
 RANGE = "stabkit.tables.range"
 """Field-metadata key of a `Range`."""
+MERGE = "stabkit.tables.merge"
+"""Field-metadata key of a dict field whose table is laid over the base's value (`merged`)."""
 
 
 class TableError(ValueError):
@@ -79,6 +85,12 @@ def bounds(
     return {RANGE: Range(lo, hi, lo_open, hi_open, hint)}
 
 
+def merged() -> dict[str, bool]:
+    """Field metadata of a dict field that `fill` lays over the base's value key by key (nested
+    tables too) instead of replacing it: ``field(default_factory=dict, metadata=merged())``."""
+    return {MERGE: True}
+
+
 def keys(cls: type, exclude: Sequence[str] = ()) -> tuple[str, ...]:
     """The keys a table for `cls` may hold (its init fields, in order, less `exclude`)."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.init and f.name not in exclude)
@@ -102,7 +114,10 @@ def fill(
     if not isinstance(table, Mapping):
         raise TableError(section, f"must be a table, got {type(table).__name__}")
     allowed = keys(cls, exclude)
+    moved: Mapping[str, str] = getattr(cls, "MOVED", {})
     for key in table:
+        if key in moved and key not in allowed:
+            raise TableError(_join(section, str(key)), f"moved: use {_join(section, moved[key])}")
         if key not in allowed:
             raise TableError(_join(section, str(key)), f"unknown key; allowed: {', '.join(allowed)}")
     hints = typing.get_type_hints(cls)
@@ -113,9 +128,14 @@ def fill(
     }
     try:
         if base is not None:
+            for key in values:
+                if by_name[key].metadata.get(MERGE):
+                    values[key] = _laid_over(getattr(base, key), values[key])
             return dataclasses.replace(base, **values)  # type: ignore[type-var]
         return cls(**values)
     except (TypeError, ValueError) as exc:
+        if isinstance(exc, TableError) and exc.key.startswith(cls.__name__ + "."):
+            raise TableError(_join(section, exc.key[len(cls.__name__) + 1 :]), exc.problem) from None
         raise TableError(_field_key(section, cls, str(exc)), " ".join(str(exc).split())) from None
 
 
@@ -125,6 +145,10 @@ def convert(raw: Any, tp: Any, where: str, limits: Range | None = None) -> Any:
     origin = typing.get_origin(tp)
     args = typing.get_args(tp)
     if tp is Any:
+        return raw
+    if origin is Callable:
+        if not callable(raw):
+            raise TableError(where, f"must be a callable, got {raw!r}")
         return raw
     if origin is Union or origin is types.UnionType:
         return _union(raw, args, where, limits)
@@ -156,7 +180,7 @@ def convert(raw: Any, tp: Any, where: str, limits: Range | None = None) -> Any:
 
 def _union(raw: Any, members: tuple[Any, ...], where: str, limits: Range | None) -> Any:
     optional = type(None) in members
-    if optional and raw == NONE:
+    if optional and (raw is None or raw == NONE):
         return None
     others = [m for m in members if m is not type(None)]
     problems = []
@@ -187,6 +211,8 @@ def _number(raw: Any, integer: bool, where: str, limits: Range | None) -> int | 
 
 
 def _array(raw: Any, origin: Any, args: tuple[Any, ...], where: str, limits: Range | None) -> Any:
+    if isinstance(raw, tuple | set | frozenset):  # from Python rather than TOML
+        raw = list(raw)
     if not isinstance(raw, list):
         raise TableError(where, f"must be an array, got {raw!r}")
     if origin is tuple and args and args[-1] is not Ellipsis:
@@ -200,6 +226,16 @@ def _array(raw: Any, origin: Any, args: tuple[Any, ...], where: str, limits: Ran
     if origin in (set, frozenset):
         return frozenset(items)
     return items
+
+
+def _laid_over(base: Any, table: Any) -> Any:
+    """`table` laid over `base` key by key, nested mappings too (a `merged` field)."""
+    if not isinstance(base, Mapping) or not isinstance(table, Mapping):
+        return table
+    out = dict(base)
+    for key, value in table.items():
+        out[key] = _laid_over(base[key], value) if key in base else value
+    return out
 
 
 def _join(section: str, key: str) -> str:

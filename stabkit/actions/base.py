@@ -11,7 +11,9 @@ gradient-norm spikes — the update can still be skipped), at `Monitor.step` (af
 spikes, drift...) or at the log interval (warn-only kinds). `before_update(step)` runs in every
 step pre-hook on which no event acted (e.g. rollback's periodic snapshot).
 
-To add one: one file with a subclass, decorated with ``@stabkit.plugins.ACTIONS.register``.
+To add one: one file with a subclass, decorated with ``@stabkit.plugins.ACTIONS.register``; its
+settings, if any, an options dataclass beside it named in ``options_class`` (read with
+``ctx.config.options_for(self.name, TheOptions)``; ranges as `stabkit.tables.bounds` metadata).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..detect_config import DetectConfig
 from ..events import Event
+from ..hooks import Registrar
 
 REPORT_ORDER = 50
 """Position of 'report the event' among the actions of one event."""
@@ -39,7 +42,7 @@ class ActionContext:
     """The optimizer (or `stabkit.optimizers.OptimizerSet`); None when attach got none."""
     config: DetectConfig
     forwards: Callable[[], list[Any]]
-    """The step's kept forward calls (`stabkit.detectors.nonfinite.KeptForward`: inputs by reference,
+    """The step's kept forward calls (`stabkit.nonfinite.guard.KeptForward`: inputs by reference,
     RNG and autocast state); empty when the non-finite step guard is off."""
     logdir: Callable[[], Path | None]
     """The folder the monitor writes to (a ``run-<n>`` subfolder when the logdir held a run)."""
@@ -47,6 +50,9 @@ class ActionContext:
     """The newest logged host value of every metric."""
     report: Callable[[Event], None] = lambda event: None
     """Record an event of the action's own (e.g. 'rescue') and write it to the sinks at once."""
+    hooks: Registrar | None = None
+    """Where to register hooks an action keeps (the Monitor's `HookSet`, under the action's name: listed
+    by `Monitor.describe_hooks`, removed with the detectors); None outside a Monitor."""
 
 
 class Action:
@@ -56,6 +62,9 @@ class Action:
     """Registry name = the word used in `DetectConfig.actions`."""
     order: ClassVar[int] = 40
     """Position among the actions of one event (lower first); the report is at `REPORT_ORDER`."""
+    options_class: ClassVar[type[Any] | None] = None
+    """The dataclass of its settings (``DetectConfig.options[name]``, checked when the config is built);
+    None: it takes none."""
 
     def __init__(self, ctx: ActionContext) -> None:
         self.ctx = ctx

@@ -1,5 +1,5 @@
 """Action 'dump': save the step's inputs (by value, on the CPU), RNG state, the event and a small
-state report to ``<logdir>/stabkit-dumps/`` (or `DetectConfig.dump_dir`). When the disk refuses
+state report to ``<logdir>/stabkit-dumps/`` (or `DumpOptions.dir`, ``DetectConfig.options["dump"]``). When the disk refuses
 (full, read-only), nothing is saved, ``event.details["dump"]`` says why, a warning says so once, and
 the event is still reported and acted on."""
 
@@ -9,6 +9,7 @@ import contextlib
 import json
 import math
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -58,15 +59,25 @@ def state_report(ctx: ActionContext) -> dict[str, Any]:
     return report
 
 
+@dataclass(frozen=True)
+class DumpOptions:
+    """``DetectConfig.options["dump"]``."""
+
+    dir: str | None = None
+    """Directory for batches and state reports (None = ``<logdir>/stabkit-dumps``)."""
+
+
 @ACTIONS.register
 class Dump(Action):
     """Save what is needed to reproduce the step."""
 
     name = "dump"
     order = 10
+    options_class = DumpOptions
 
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)
+        self.options = ctx.config.options_for(self.name, DumpOptions)
         self._warned: set[str] = set()
 
     def run(self, event: Event, before_update: bool) -> bool:
@@ -79,12 +90,12 @@ class Dump(Action):
         """Save the step's inputs and a state report; the .pt path, or None when nothing was saved
         (no directory, or the disk refused: warned once, the event still reported, training goes on)."""
         logdir = self.ctx.logdir()
-        root = self.ctx.config.dump_dir or (logdir / "stabkit-dumps" if logdir is not None else None)
+        root = self.options.dir or (logdir / "stabkit-dumps" if logdir is not None else None)
         if root is None:
             self._warn_once(
                 "no dir",
                 "stabkit: action 'dump' needs a logdir (stabkit.attach(..., logdir=...)) or "
-                "DetectConfig(dump_dir=...); nothing was saved",
+                "DetectConfig(options={'dump': {'dir': ...}}); nothing was saved",
             )
             return None
         stem = Path(root) / f"step{event.step:08d}-{event.kind}"

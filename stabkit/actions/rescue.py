@@ -1,12 +1,14 @@
 """Action 'rescue': act on the advice — roll back, switch the advised fix on, and continue.
 
-On an event whose advice names a fix that can go on mid-run (`MIDRUN`), in the step the event is
-decided: restore the newest snapshot taken at or before the step the trouble began (the event's
-``details["since"]`` when its detector says, else the event's step; like 'rollback';
-snapshots every `DetectConfig.snapshot_every` steps), switch the fix on, add its new parameters to
-the optimizer (own group, no weight decay), scale the learning rate by ``lr_factor``, and report a
-``rescue`` event saying exactly what was done (TensorBoard: ``events/rescue``). Before the update
-the step's own update is skipped too.
+On an event whose advice names a fix that can go on mid-run (`midrun_fixes`: the registered
+interventions with ``midrun = True``, read live from `stabkit.plugins.INTERVENTIONS`), in the step the
+event is decided: restore the newest snapshot taken at or before the step the trouble began (the
+event's ``details["since"]`` when its detector says, else the event's step; like 'rollback';
+snapshots every `DetectConfig.snapshot_every` steps), switch the fix on (with its plug-in's
+`midrun_options`, then `match_at_switch`), add its new parameters to the optimizer (own group, no
+weight decay), lower the learning rate by ``lr_factor`` (see below), and report a ``rescue`` event
+saying exactly what was done (TensorBoard: ``events/rescue``). Before the update the step's own
+update is skipped too.
 
 How close each fix is to the identity at the switch (measured on the step's kept inputs and
 reported as ``details["output_change"]``, ‖logits after − before‖ / ‖before‖):
@@ -17,11 +19,23 @@ reported as ``details["output_change"]``, ‖logits after − before‖ / ‖bef
 - ``qk_norm``: the gains start at each module's mean RMS of q and k on the kept inputs, so
   ``γ·q/rms(q) ≈ q`` on average (exact for tokens whose RMS is the mean).
 
+The learning rate (``lr_factor`` < 1) is lowered through optimizer step hooks, never by editing
+``param_group["lr"]`` between steps, where a schedule would undo it (`LambdaLR`, `OneCycleLR`, a loop
+that sets the LR each step) or compound it (`ExponentialLR`). At attach the rescue registers a step
+pre-hook that multiplies every group's ``lr`` by the product of the rescues' factors just before the
+update, and a step post-hook that puts the schedule's value back (`stabkit.actions.lr_factor`): any
+loop and any torch scheduler work on their own values, every update uses schedule × factor, and
+``details["lr"]`` gives the rates in force after the rescue. The factor is in `state_dict` (a resumed
+run keeps it). The hooks go through the Monitor's hooks (``ctx.hooks``, owner 'rescue': listed by
+``describe_hooks``, removed at detach, after which the optimizer steps at its schedule's rate). A torch scheduler counts the groups it was
+built with: a fix that adds parameters (``qk_norm``) adds a group that a scheduler built before the
+rescue refuses at its next step — with such a scheduler, choose ``fixes`` without new parameters.
+
 Snapshots taken before a rescue are dropped by it (they lack the fix's parameters): a second
-rescue rolls back only as far as the first. Limits: at most ``max_rescues`` per run; other events of the step just rescued (the same drift in
-another layer) are reported, not acted on; the same advice signature again on a later step within
-``window`` steps of a rescue means it failed: the event and a ``rescue`` failure event are reported and
-`stabkit.InstabilityError` stops training. Fixes switched on by a rescue stay on after detach (the
+rescue rolls back only as far as the first. Limits: at most ``max_rescues`` per run; other events
+of the step just rescued (the same drift in another layer) are reported, not acted on; the same
+advice signature again on a later step within ``window`` steps of a rescue means it failed: the event
+and a ``rescue`` failure event are reported and `stabkit.InstabilityError` stops training. Fixes switched on by a rescue stay on after detach (the
 weights were trained with them). Options: ``DetectConfig(options={"rescue": {...}})``.
 """
 
@@ -30,48 +44,62 @@ from __future__ import annotations
 import contextlib
 import math
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..events import Event, InstabilityError
-from ..plugins import ACTIONS
+from ..hooks import DIRECT
+from ..plugins import ACTIONS, INTERVENTIONS, LiveNames
+from ..tables import bounds
 from .base import Action, ActionContext
+from .lr_factor import LRFactor
 from .snapshots import SnapshotStore
 
-MIDRUN = ("qk_norm", "attn_softcap", "z_loss", "logit_softcap")
-"""Fixes that can go on mid-run without changing (much) what the model computes at the switch."""
+
+def midrun_fixes() -> tuple[str, ...]:
+    """The registered interventions that can go on mid-run, most preferred first
+    (`Intervention.midrun_preference`, then registration order). Read when called: a plug-in
+    registered after import is included."""
+    names = INTERVENTIONS.names()
+    classes = {n: INTERVENTIONS.load(n) for n in names}
+    rank = {n: i for i, n in enumerate(names)}
+    fixes = [n for n in names if getattr(classes[n], "midrun", False)]
+    return tuple(sorted(fixes, key=lambda n: (getattr(classes[n], "midrun_preference", 100), rank[n])))
+
+
+MIDRUN = LiveNames(midrun_fixes)
+"""Fixes that can go on mid-run without changing (much) what the model computes at the switch (a
+live view of `midrun_fixes`: qk_norm, attn_softcap, z_loss, logit_softcap and any registered later)."""
 
 
 @dataclass(frozen=True)
 class RescueOptions:
     """`DetectConfig.options["rescue"]`."""
 
-    max_rescues: int = 2
+    max_rescues: int = field(default=2, metadata=bounds(lo=1))
     """Rescues per run; later events are only reported."""
-    window: int = 200
+    window: int = field(default=200, metadata=bounds(lo=1))
     """The same advice signature again within this many steps of a rescue = the rescue failed."""
-    lr_factor: float = 1.0
-    """Multiply every param group's learning rate by this at each rescue (0.5 halves it)."""
-    cap_margin: float = 2.0
+    lr_factor: float = field(default=1.0, metadata=bounds(lo=0.0, hi=1.0, lo_open=True))
+    """Multiply every param group's learning rate by this at each rescue (0.5 halves it), inside each
+    optimizer step from then on, over whatever the user's schedule sets (see the module docstring)."""
+    cap_margin: float = field(default=2.0, metadata=bounds(lo=1.0, lo_open=True))
     """Soft caps start at this multiple of the newest logged max logit (or their default, if larger)."""
-    fixes: tuple[str, ...] = MIDRUN
-    """Fixes a rescue may switch on, in order of preference among those the advice names."""
+    fixes: tuple[str, ...] = field(default_factory=midrun_fixes)
+    """Fixes a rescue may switch on, in order of preference among those the advice names (default:
+    every mid-run fix registered when the options are made, `midrun_fixes`)."""
 
     def __post_init__(self) -> None:
-        if not isinstance(self.max_rescues, int) or self.max_rescues < 1:
-            raise ValueError(f"max_rescues must be an integer >= 1, got {self.max_rescues!r}")
-        if not isinstance(self.window, int) or self.window < 1:
-            raise ValueError(f"window must be an integer >= 1, got {self.window!r}")
-        if not 0 < self.lr_factor <= 1:
-            raise ValueError(f"lr_factor must be in (0, 1], got {self.lr_factor!r}")
-        if not self.cap_margin > 1:
-            raise ValueError(f"cap_margin must be > 1, got {self.cap_margin!r}")
-        unknown = sorted(set(self.fixes) - set(MIDRUN))
+        # the ranges are the fields' `bounds` (checked by DetectConfig); this is the one check they cannot say
+        allowed = midrun_fixes()
+        unknown = sorted(set(self.fixes) - set(allowed))
         if unknown:
-            raise ValueError(f"fixes {unknown} cannot go on mid-run; choose from {list(MIDRUN)}")
+            raise ValueError(
+                f"RescueOptions.fixes {unknown} cannot go on mid-run; choose from {list(allowed)}"
+            )
         object.__setattr__(self, "fixes", tuple(self.fixes))
 
 
@@ -81,6 +109,7 @@ class Rescue(Action):
 
     name = "rescue"
     order = 20
+    options_class = RescueOptions
 
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)
@@ -89,6 +118,18 @@ class Rescue(Action):
         self.done: list[dict[str, Any]] = []
         """What each rescue did (step, fix, options, restored step, output change): in `state_dict`."""
         self.handles: list[Any] = []
+        self.lr = LRFactor(ctx.optimizer) if ctx.optimizer is not None else None
+        """The learning-rate factor in force (`stabkit.actions.lr_factor`)."""
+        if self.options.lr_factor != 1:
+            self._lr_hooks()
+
+    def _lr_hooks(self) -> None:
+        """Register the learning-rate factor's step hooks (at attach, or when a resumed state has a
+        factor): through the Monitor's hooks (``ctx.hooks``, under 'rescue': listed by
+        `Monitor.describe_hooks`, removed at detach), or directly on the optimizer for a context built
+        by hand without them."""
+        if self.lr is not None and not self.lr.attached:
+            self.lr.attach(self.ctx.hooks or DIRECT, self.name)
 
     def before_update(self, step: int) -> None:
         if self.snapshots.due(step):
@@ -144,6 +185,8 @@ class Rescue(Action):
                 details={"failed": True, "rescued_at": previous["step"], "signature": previous["signature"]},
             )
         )
+        if self.lr is not None:
+            self.lr.restore()  # the step stops in its pre-hook: leave the schedule's learning rates
         raise InstabilityError(event)
 
     # ------------------------------------------------------------------ the rescue
@@ -155,14 +198,14 @@ class Rescue(Action):
             self.snapshots.restore(snap)
         inputs = list(ctx.forwards())
         before = _outputs(ctx.model, inputs)
-        options = self._options_for(fix)
+        plugin = INTERVENTIONS.load(fix)()
+        options = plugin.midrun_options(ctx.metrics(), self.options.cap_margin)
         from ..interventions import apply
 
         handle = apply(ctx.model, fix, **options)
         self.handles.append(handle)
         new = handle.new_parameters()
-        if fix == "qk_norm":
-            _match_gains(ctx.model, inputs)
+        plugin.match_at_switch(ctx.model, handle, lambda: _outputs(ctx.model, inputs))
         if new and ctx.optimizer is not None:
             ctx.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
         # the snapshots so far are of the model without the fix: a later rescue must not restore
@@ -205,41 +248,25 @@ class Rescue(Action):
         )
         return record
 
-    def _options_for(self, fix: str) -> dict[str, Any]:
-        """Options of `fix` at the switch: caps above the newest logged max logit."""
-        if fix not in ("attn_softcap", "logit_softcap"):
-            return {}
-        from ..interventions import REGISTRY
-
-        default = float(REGISTRY[fix].defaults["cap"])
-        metrics = self.ctx.metrics()
-        if fix == "attn_softcap":
-            seen = [v for k, v in metrics.items() if k.startswith("attn/") and k.endswith("/max_logit")]
-        else:
-            seen = [v for k, v in metrics.items() if k == "logits/max_abs"]
-        top = max((v for v in seen if math.isfinite(v)), default=0.0)
-        return {"cap": max(default, self.options.cap_margin * top)}
-
     def _scale_lr(self) -> list[float] | None:
-        """Multiply each group's LR (and ``initial_lr``, which torch schedulers start from) by the factor;
-        ``lr_scale`` keeps the product for training loops that set the LR themselves."""
-        opt = self.ctx.optimizer
-        factor = self.options.lr_factor
-        if opt is None:
+        """Lower the learning rate by ``lr_factor`` from the next optimizer step on (the factor held by
+        `LRFactor`); the learning rates each group now steps with."""
+        if self.lr is None:
             return None
-        for group in opt.param_groups:
-            if factor != 1:
-                group["lr"] = group["lr"] * factor
-                if "initial_lr" in group:
-                    group["initial_lr"] = group["initial_lr"] * factor
-                group["lr_scale"] = group.get("lr_scale", 1.0) * factor
-        return [float(g["lr"]) for g in opt.param_groups]
+        self.lr.factor *= self.options.lr_factor
+        return self.lr.effective()
 
     def state_dict(self) -> dict[str, Any]:
         return {"rescues": [dict(r) for r in self.done]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = [dict(r) for r in state.get("rescues", [])]
+        if self.lr is not None:  # the learning-rate factor of the rescues so far
+            self.lr.factor = 1.0
+            for record in self.done:
+                self.lr.factor *= float(record.get("lr_factor", 1.0))
+            if self.lr.factor != 1:
+                self._lr_hooks()  # between steps (Monitor.load_state_dict): registering is safe
         from ..interventions import active_interventions
 
         missing = sorted({r["fix"] for r in self.done} - set(active_interventions(self.ctx.model)))
@@ -261,7 +288,7 @@ def _describe(options: dict[str, Any]) -> str:
 def _outputs(model: nn.Module, inputs: list[Any]) -> list[torch.Tensor]:
     """The model's main output on each kept forward, re-run with the step's own RNG state and autocast
     (so before and after the switch see the same dropout masks); no grad; the RNG is restored."""
-    from ..detectors.nonfinite import rerun_forward, rng_state, set_rng_state
+    from ..nonfinite.guard import rerun_forward, rng_state, set_rng_state
     from ..probes import first_tensor
 
     outs = []
@@ -283,32 +310,3 @@ def _change(before: list[torch.Tensor], after: list[torch.Tensor]) -> float | No
     num = sum(float((a - b).pow(2).sum()) for a, b in zip(after, before, strict=True))
     den = sum(float(b.pow(2).sum()) for b in before)
     return math.sqrt(num / den) if den > 0 else None
-
-
-def _match_gains(model: nn.Module, inputs: list[Any]) -> None:
-    """qk_norm at the switch: set each HeadNorm's gain to the mean RMS (over tokens and heads) of the
-    q or k it normalises on the kept inputs, so the normalised q and k keep their scale."""
-    from ..interventions.qknorm import HeadNorm
-
-    norms = [m for m in model.modules() if isinstance(m, HeadNorm)]
-    sums: dict[int, list[float]] = {id(m): [0.0, 0.0] for m in norms}
-
-    def measure(module: HeadNorm, args: tuple[Any, ...]) -> None:
-        x = args[0].detach().float().unflatten(-1, (-1, module.head_dim))
-        entry = sums[id(module)]
-        entry[0] += float(x.pow(2).mean(-1).sqrt().sum())
-        entry[1] += x[..., 0].numel()
-
-    from ..hooks import DIRECT
-
-    handles = [DIRECT.forward_pre("rescue", m, measure) for m in norms]
-    try:
-        _outputs(model, inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    with torch.no_grad():
-        for m in norms:
-            total, count = sums[id(m)]
-            if count:
-                m.weight.fill_(total / count)

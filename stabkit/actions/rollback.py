@@ -1,14 +1,15 @@
 """Action 'rollback': restore the newest in-memory snapshot taken at or before the event's step
 (PaLM's recipe) and report which steps' batches were thereby skipped; before the update it also
-skips it. Snapshots are taken every `DetectConfig.snapshot_every` steps in the step pre-hook of a
-step whose checks passed (`stabkit.actions.snapshots`)."""
+skips it. Snapshots are taken every ``snapshot_every`` steps in the step pre-hook of a step whose
+checks passed (`stabkit.actions.snapshots`). Options: `SnapshotOptions`
+(``DetectConfig.options["rollback"]``)."""
 
 from __future__ import annotations
 
 from ..events import Event
 from ..plugins import ACTIONS
 from .base import Action, ActionContext
-from .snapshots import SnapshotStore
+from .snapshots import SnapshotOptions, SnapshotStore
 
 
 @ACTIONS.register
@@ -17,6 +18,7 @@ class Rollback(Action):
 
     name = "rollback"
     order = 20
+    options_class = SnapshotOptions
 
     def __init__(self, ctx: ActionContext) -> None:
         super().__init__(ctx)

@@ -1,4 +1,6 @@
-"""In-memory snapshots of model and optimizer state for the `rollback` action (PaLM's recipe).
+"""In-memory snapshots of model and optimizer state for the `rollback` action (PaLM's recipe), and
+their settings, `SnapshotOptions` (``DetectConfig.options["rollback"]``; the rescue action rolls back
+through the same settings).
 
 A snapshot is taken in the optimizer pre-step hook of every `snapshot_every`-th step whose checks
 passed, so snapshot `t` is the state *before* update `t`. Restoring copies the saved values back
@@ -12,7 +14,7 @@ from __future__ import annotations
 
 import copy
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,6 +22,23 @@ from torch import nn
 
 from ..detect_config import DetectConfig
 from ..stats.finite import nonfinite_flag
+from ..tables import bounds
+
+
+@dataclass(frozen=True)
+class SnapshotOptions:
+    """``DetectConfig.options["rollback"]``: the snapshots of rollback (and rescue)."""
+
+    snapshot_every: int = field(default=100, metadata=bounds(lo=1))
+    """Take an in-memory snapshot of model and optimizer state every N steps (PaLM restarted ~100 steps back)."""
+    snapshots: int = field(default=2, metadata=bounds(lo=1))
+    """Keep the K newest snapshots (memory: K × (model + optimizer state))."""
+    snapshot_device: str | None = None
+    """Where snapshots live (None = beside each tensor; 'cpu' saves accelerator memory at a copy cost)."""
+
+    def __post_init__(self) -> None:
+        if self.snapshot_device is not None:
+            _check_device(self.snapshot_device)
 
 
 @dataclass
@@ -55,8 +74,9 @@ class SnapshotStore:
 
     @classmethod
     def for_config(cls, model: nn.Module, optimizer: Any, config: DetectConfig) -> SnapshotStore:
-        """The store `DetectConfig`'s snapshot settings ask for (rollback, rescue)."""
-        return cls(model, optimizer, config.snapshot_every, config.snapshots, config.snapshot_device)
+        """The store ``DetectConfig.options["rollback"]`` asks for (rollback, rescue)."""
+        o = config.options_for("rollback", SnapshotOptions)
+        return cls(model, optimizer, o.snapshot_every, o.snapshots, o.snapshot_device)
 
     def _tensors(self) -> list[torch.Tensor]:
         seen: dict[int, torch.Tensor] = {}
@@ -127,3 +147,19 @@ class SnapshotStore:
                         state[key] = copy.deepcopy(value)
         while self.snapshots and self.snapshots[-1].step > snap.step:
             self.snapshots.pop()
+
+
+def _check_device(name: object) -> None:
+    """Raise ValueError unless `name` names a device torch knows of and has here ('cpu', 'cuda:1', ...)."""
+    try:
+        device = torch.device(name)  # type: ignore[call-overload]
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(
+            f"SnapshotOptions.snapshot_device must be None or a torch device such as 'cpu' or 'cuda:0', got {name!r}"
+        ) from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"SnapshotOptions.snapshot_device={name!r}, but CUDA is not available here")
+    if device.type not in ("cpu", "cuda", "mps", "xpu"):
+        raise ValueError(
+            f"SnapshotOptions.snapshot_device={name!r}: snapshots can live on cpu, cuda, mps or xpu devices"
+        )

@@ -17,7 +17,6 @@ if TYPE_CHECKING:
     from .core import RULES, audit, describe_rules
     from .findings import INTERVENTIONS, Finding, Report
     from .memory import KVCache, MemorySummary
-    from .spec import build_from_spec, run_inspect_cli, spec_names
 
 _LAZY = {
     "AuditContext": "context",
@@ -29,9 +28,6 @@ _LAZY = {
     "Report": "findings",
     "KVCache": "memory",
     "MemorySummary": "memory",
-    "build_from_spec": "spec",
-    "run_inspect_cli": "spec",
-    "spec_names": "spec",
 }
 
 
@@ -47,8 +43,5 @@ __all__ = [
     "MemorySummary",
     "Report",
     "audit",
-    "build_from_spec",
     "describe_rules",
-    "run_inspect_cli",
-    "spec_names",
 ]

@@ -12,7 +12,8 @@ import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
-from ..interventions.registry import REGISTRY
+from ..plugins import INTERVENTIONS as _INTERVENTIONS
+from ..plugins import LiveNames
 from .format import compact_paths, evidence_text, markdown_table, text_table
 
 if TYPE_CHECKING:
@@ -21,8 +22,10 @@ if TYPE_CHECKING:
 Severity = Literal["risk", "note"]
 SEVERITIES: tuple[str, ...] = ("risk", "note")
 
-INTERVENTIONS: tuple[str, ...] = tuple(REGISTRY)
-"""Registry names of `stabkit.interventions` that a fix may name."""
+INTERVENTIONS = LiveNames(_INTERVENTIONS.names)
+"""Registry names of `stabkit.interventions` that a fix may name: read live from
+`stabkit.plugins.INTERVENTIONS` (names only, nothing imported), so a plug-in registered after import
+counts."""
 
 _FIX = re.compile(r"^(?P<name>[a-z_]+)(?:\((?P<opts>[^)]*)\))?$")
 

@@ -24,7 +24,7 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     from ..config import MonitorConfig
     from ..harness.data import load_corpus
     from ..harness.models import GPT, PRESET_BATCH, preset_config
-    from ..harness.training import TrainConfig, make_optimizer, train
+    from ..harness.training import Callbacks, TrainConfig, TrainRun, evaluate, train
     from ..monitor import attach
 
     folder = writable_dir(logdir, "--logdir")
@@ -38,24 +38,19 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
         every=10, log_every=50, console=False, logdir_mode="overwrite"
     )  # a rerun replaces it
     progress: Any = click.progressbar(length=steps, label=f"training {size} GPT", file=sys.stderr)
-    opt = make_optimizer(model, tcfg)
-    monitor = attach(model, opt, logdir=folder, config=mcfg)
+    run = TrainRun(model, corpus, tcfg, cfg.context)
+    monitor = attach(model, run.optimizer, logdir=folder, config=mcfg, scaler=run.amp.scaler)
     with progress as bar:
 
         def on_step(step: int, loss: float) -> None:
             bar.update(1)
 
-        result = train(
-            model,
-            corpus,
-            tcfg,
-            context=cfg.context,
-            optimizer=opt,
-            after_update=monitor.step,
-            on_step=on_step,
-            on_end=monitor.detach,  # also when training raises; the validation runs unmonitored
-        )
+        # on_end: also when training raises; the validation runs unmonitored
+        result = train(run, Callbacks(after_update=monitor.step, on_step=on_step, on_end=monitor.detach))
+    val = evaluate(
+        model, corpus, batches=tcfg.eval_batches, batch_size=tcfg.batch_size, context=cfg.context, amp=run.amp
+    )
     click.echo(
-        f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {result.val_loss:.3f}); "
+        f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {val.val_loss:.3f}); "
         f"statistics in {folder}; view with: tensorboard --logdir {folder.parent}"
     )

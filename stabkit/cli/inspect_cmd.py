@@ -14,6 +14,6 @@ from .app import main
 def inspect_command(spec: str, with_audit: bool, as_json: bool) -> None:
     """Show where the roles sit in SPEC: a reference preset (tiny, small, gpt2, 1b) or hf:gpt2, hf:llama,
     hf:mistral, hf:qwen2 built from the config defaults on the meta device (no download)."""
-    from ..audit.spec import run_inspect_cli
+    from .inspect_spec import run_inspect_cli
 
     click.echo(run_inspect_cli(spec, audit=with_audit, as_json=as_json))

@@ -1,18 +1,22 @@
-"""Detectors: plug-ins that read host values of named series and return events (spike, drift,
-attention-entropy collapse, fp16 overflow, non-finite), the advice table they declare, and the
-model-free `Judge` that runs them. Importing this package loads no torch.
+"""Detectors: pure plug-ins that read host values of named series and return events (spike, drift,
+attention-entropy collapse, and any registered one), the advice table they declare, the model-free
+`Judge` that runs them, and the extension point of a kind that must see tensors (`device`). Each
+plug-in's settings are an options dataclass in its own file (`SpikeOptions`, `DriftOptions`,
+`EntropyOptions`). Importing this package loads no torch.
 
-The wiring that connects them to a model (non-finite device checks, optimizer hooks, actions) is
-`stabkit.detectors.wiring.DetectorSet`, built by the Monitor at attach.
+The kinds decided on the device (NaN/Inf, fp16 overflow) are `stabkit.nonfinite`; the orchestration
+that runs detectors and actions at the right moment of a step is `stabkit.decisions.Decisions`,
+built by the Monitor at attach.
 """
 
 from ..detect_config import DetectConfig
 from .advice import Advice, advice_table, advise, describe_advice
 from .base import BlockInfo, Detector, DetectorContext, Observation
-from .drift import DriftDetector
+from .device import DeviceChecks, DeviceContext
+from .drift import DriftDetector, DriftOptions
 from .entropy import EntropyCollapseDetector, EntropyOptions
 from .judge import Judge
-from .spike import SpikeDetector
+from .spike import SpikeDetector, SpikeOptions
 
 __all__ = [
     "Advice",
@@ -20,12 +24,16 @@ __all__ = [
     "DetectConfig",
     "Detector",
     "DetectorContext",
+    "DeviceChecks",
+    "DeviceContext",
     "DriftDetector",
+    "DriftOptions",
     "EntropyCollapseDetector",
     "EntropyOptions",
     "Judge",
     "Observation",
     "SpikeDetector",
+    "SpikeOptions",
     "advice_table",
     "advise",
     "describe_advice",

@@ -1,20 +1,23 @@
 """What a detector plug-in is: a class that reads host values of named series and returns events.
 
 A detector never sees the Monitor, the model or a tensor. It gets a `DetectorContext` (the
-model's layout as plain names, fixed at attach, and the `DetectConfig`) and, for each step it is
+model's layout as plain names, fixed at attach, the `DetectConfig`, and its options: the dataclass
+it names in ``options_class``, filled from ``DetectConfig.options[kind]``) and, for each step it is
 shown, a mapping series name -> float. It returns an `Observation`: its events (kind = its own
 ``kind``) and optional extra series to log beside the step's values (e.g. a score). So a
 detector is tested from plain rows, without a model (see `stabkit.detectors.judge.Judge`).
 
-When it runs (decided by the wiring, `stabkit.detectors.decide`): at the log interval, on the rows
+When it runs (decided by the orchestration, `stabkit.decisions`): at the log interval, on the rows
 of the one host copy, when every action configured for its kind is 'warn'; every step, on a small
 host copy of the series it wants, when an action needs a decision in time (skip, rollback, raise…)
 — series matching `before_update` in the optimizer's step pre-hook (so 'skip' can still skip the
 update), the others at `Monitor.step`.
 
 To add one: one file with a subclass, decorated with ``@stabkit.plugins.DETECTORS.register``, its
+options dataclass beside it (fields with defaults, ranges as `stabkit.tables.bounds` metadata), its
 advice rows in `advice` and `signature` naming the row of an event (see the README's "Extend
-stabkit" and `stabkit/detectors/entropy.py`).
+stabkit" and `stabkit/detectors/entropy.py`). A kind that must see tensors to decide declares a
+device part through `device_checks` (the extension point, `stabkit.detectors.device`).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ import fnmatch
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, overload
 
 from ..detect_config import DetectConfig, OptionsT
 from ..events import Event
@@ -31,6 +34,7 @@ from .advice import Advice
 
 if TYPE_CHECKING:
     from ..discovery import ModelMap
+    from .device import DeviceChecks, DeviceContext
 
 
 @dataclass(frozen=True)
@@ -84,9 +88,18 @@ class DetectorContext:
                 return b
         return None
 
-    def options(self, kind: str, options_class: type[OptionsT]) -> OptionsT:
-        """`DetectConfig.options[kind]` as `options_class` (see `DetectConfig.options_for`)."""
-        return self.config.options_for(kind, options_class)
+    @overload
+    def options(self, kind: str) -> Any: ...
+
+    @overload
+    def options(self, kind: str, options_class: type[OptionsT]) -> OptionsT: ...
+
+    def options(self, kind: str, options_class: type[Any] | None = None) -> Any:
+        """``DetectConfig.options[kind]`` over the defaults of `options_class` (else of the plug-in's
+        declared ``options_class``), checked (see `DetectConfig.options_for`)."""
+        return (
+            self.config.options_for(kind, options_class) if options_class else self.config.options_for(kind)
+        )
 
 
 @dataclass
@@ -111,6 +124,10 @@ class Detector:
     """Kinds whose event at the same step makes this detector's event redundant (it is dropped)."""
     advice: ClassVar[dict[str, Advice]] = {}
     """Its rows of the advice table (`stabkit list advice`), by signature."""
+    options_class: ClassVar[type[Any] | None] = None
+    """The dataclass of its settings (``DetectConfig.options[kind]``; each field's default is the
+    setting's default, `stabkit.tables.bounds` in its metadata its range); read it with
+    ``ctx.options(self.kind, TheOptions)``. None: it takes none."""
 
     # An event may say where the trouble began in ``details["since"]`` (a step): the 'rescue' action
     # rolls back to a snapshot from at or before it.
@@ -142,6 +159,12 @@ class Detector:
     def signature(self, event: Event) -> str:
         """The key of `advice` that fits `event` (the first row by default)."""
         return next(iter(self.advice))
+
+    def device_checks(self, ctx: DeviceContext) -> DeviceChecks | None:
+        """The extension point for a kind that must see tensors (`stabkit.detectors.device`): its
+        device part, built once at attach from the narrow device-side `ctx`; None (the default) for a
+        detector of host values only."""
+        return None
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready state for a checkpoint ({} = stateless)."""

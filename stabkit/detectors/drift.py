@@ -1,8 +1,9 @@
 """Drift (early warning): sustained growth of max attention logit, log Z and residual-stream RMS.
 
 Runs when the detectors consume a value (log interval, or every step with a non-warn drift
-action). These series are measured on sampled steps, so a window of `drift_window` values spans
-`drift_window × MonitorConfig.every` steps. Pure and checkpointable.
+action). These series are measured on sampled steps, so a window of `window` values
+(`DriftOptions`, ``DetectConfig.options["drift"]``) spans `window × MonitorConfig.every` steps. Pure
+and checkpointable.
 
 Per series, once the window is full and the newest value is past the rule's level, a robust
 Theil–Sen slope (`scipy.stats.theilslopes`, 95 % interval) is fitted; drift is reported when the
@@ -31,11 +32,32 @@ import numpy as np
 
 from ..events import Event
 from ..plugins import DETECTORS
+from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
 
 WORTSMAN_DIVERGED = 1e4
 """Wortsman et al. 2023: every run whose max attention logit exceeded 1e4 diverged."""
+
+
+@dataclass(frozen=True)
+class DriftOptions:
+    """``DetectConfig.options["drift"]``."""
+
+    window: int = field(default=20, metadata=bounds(lo=5, hint="a slope needs points"))
+    """Values (sampled steps) in the robust-slope window of each drift series."""
+    attn_logit_level: float = field(default=50.0, metadata=bounds(lo=0))
+    """Drift on attention logits only above this max |logit| (Gemma 2 and Rybakov et al. cap at 50)."""
+    attn_logit_growth: float = field(default=0.25, metadata=bounds(lo=0, lo_open=True))
+    """... and when the fitted max logit grew by at least this fraction over the window."""
+    logz_level: float = field(default=10.0, metadata=bounds(lo=0))
+    """Drift on log Z only when mean log Z is at least this many nats from log(vocab) (its value at zero logits)."""
+    logz_change: float = field(default=0.5, metadata=bounds(lo=0, lo_open=True))
+    """... and moved at least this many nats away over the window."""
+    residual_level: float = field(default=30.0, metadata=bounds(lo=0))
+    """Drift on residual RMS only above this multiple of the series' first values (Rybakov et al.: 2× in diverging runs)."""
+    residual_growth: float = field(default=0.25, metadata=bounds(lo=0, lo_open=True))
+    """... and when the fitted RMS grew by at least this fraction over the window."""
 
 
 @dataclass
@@ -69,6 +91,7 @@ class DriftDetector(Detector):
     """Watches the drift series of one model (named from its attention modules and blocks)."""
 
     kind = "drift"
+    options_class = DriftOptions
     advice: ClassVar[dict[str, Advice]] = {
         "attn_logit_growth": Advice(
             "max attention logit keeps growing",
@@ -94,7 +117,7 @@ class DriftDetector(Detector):
 
     def __init__(self, ctx: DetectorContext) -> None:
         super().__init__(ctx)
-        self.config = c = ctx.config
+        self.options = c = ctx.options(self.kind, DriftOptions)
         log_v = ctx.log_vocab
         self.rules: dict[str, DriftRule] = {}
         for path in ctx.attention_paths:
@@ -132,18 +155,18 @@ class DriftDetector(Detector):
             return None
         s = self.series.get(name)
         if s is None:
-            s = self.series[name] = DriftSeries(deque(maxlen=self.config.drift_window))
+            s = self.series[name] = DriftSeries(deque(maxlen=self.options.window))
         s.window.append((step, x))
         s.seen += 1
         if len(s.first) < 5:
             s.first.append(x)
         if rule.space == "offset" and rule.reference is None:
             rule.reference = s.first[0]
-        if len(s.window) < self.config.drift_window or s.seen < s.quiet_until:
+        if len(s.window) < self.options.window or s.seen < s.quiet_until:
             return None
         event = self._judge(name, rule, s)
         if event is not None:
-            s.quiet_until = s.seen + self.config.drift_window
+            s.quiet_until = s.seen + self.options.window
         return event
 
     def _level(self, rule: DriftRule, s: DriftSeries) -> float:
@@ -227,7 +250,7 @@ class DriftDetector(Detector):
         """Restore from `state_dict()` output."""
         self.series = {}
         for name, s in state.items():
-            window: deque[tuple[int, float]] = deque(maxlen=self.config.drift_window)
+            window: deque[tuple[int, float]] = deque(maxlen=self.options.window)
             window.extend((int(t), float(v)) for t, v in s["window"])
             self.series[name] = DriftSeries(
                 window, [float(v) for v in s["first"]], int(s["quiet_until"]), int(s["seen"])

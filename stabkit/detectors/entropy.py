@@ -13,18 +13,20 @@ slowly; a collapse is a *fall* — so the rule needs both, on ``attn/<module>/mi
              and fell by at least the fraction `drop` of that high point.
 
 One event per collapse: the series re-arms once it climbs back above `healthy`. Runs when the
-detectors consume values (see `stabkit.detectors.base`). Pure Python; checkpointable.
+detectors consume values (see `stabkit.detectors.base`). Options: `EntropyOptions`
+(``DetectConfig.options["attn_entropy"]``). Pure Python; checkpointable.
 """
 
 from __future__ import annotations
 
 from collections import deque
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
+from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
 
@@ -33,26 +35,20 @@ from .base import Detector, DetectorContext, Observation
 class EntropyOptions:
     """`DetectConfig.options["attn_entropy"]`."""
 
-    low: float = 0.3
+    low: float = field(default=0.3, metadata=bounds(lo=0))
     """Collapsed: min head entropy at or below this many nats (0 = one-hot; 0.3 nats ≈ 1.3 keys)."""
-    healthy: float = 1.0
+    healthy: float = field(default=1.0, metadata=bounds(lo=0, lo_open=True))
     """The series must have stood at or above this many nats within `window` before the fall."""
-    drop: float = 0.7
+    drop: float = field(default=0.7, metadata=bounds(lo=0, hi=1, lo_open=True, hi_open=True))
     """... and fallen by at least this fraction of that high point."""
-    window: int = 8
+    window: int = field(default=8, metadata=bounds(lo=1))
     """Values (sampled steps) before the low run in which the fall must happen ("fast")."""
-    persist: int = 3
+    persist: int = field(default=3, metadata=bounds(lo=1))
     """Consecutive values at or below `low` ("staying low")."""
 
     def __post_init__(self) -> None:
-        if not 0 <= self.low < self.healthy:
-            raise ValueError(f"need 0 <= low < healthy, got low={self.low}, healthy={self.healthy}")
-        if not 0 < self.drop < 1:
-            raise ValueError(f"drop must be in (0, 1), got {self.drop}")
-        for name in ("window", "persist"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if not self.low < self.healthy:  # the ranges are the fields' bounds; this is how two relate
+            raise ValueError(f"need low < healthy, got low={self.low}, healthy={self.healthy}")
 
 
 @DETECTORS.register
@@ -60,6 +56,7 @@ class EntropyCollapseDetector(Detector):
     """Entropy collapse per attention module, from ``attn/<module>/min_head_entropy``."""
 
     kind = "attn_entropy"
+    options_class = EntropyOptions
     watches = ("attn/*/min_head_entropy",)
     advice: ClassVar[dict[str, Advice]] = {
         "attn_entropy_collapse": Advice(

@@ -1,6 +1,6 @@
 """`Judge`: the registered detectors of one run, fed host values — no model, no tensors.
 
-The wiring (`stabkit.detectors.decide`) feeds it a small per-step host copy (kinds decided every
+The orchestration (`stabkit.decisions`) feeds it a small per-step host copy (kinds decided every
 step) or the rows of each log interval's host copy (warn-only kinds). A test feeds it plain rows::
 
     judge = Judge(DetectorContext(config=DetectConfig(), attention_paths=("blocks.0.attn",)))
@@ -100,6 +100,10 @@ class Judge:
         if len(self._reported) > 64:
             for step in sorted(self._reported)[:-32]:
                 del self._reported[step]
+
+    def reported(self, step: int, kind: str) -> bool:
+        """True when an event of `kind` was noted at `step`."""
+        return kind in self._reported.get(step, set())
 
     def redundant(self, event: Event, det: Detector) -> bool:
         """True when an event of a kind in ``det.quiet_after`` was reported at the same step."""

@@ -3,11 +3,11 @@
 Runs when the detectors consume a value: at the log interval (warn only) or every step (when an
 action for 'spike' needs a decision). Pure and checkpointable; never touches tensors.
 
-The rule, per series, over the previous `spike_window` values (the new value is judged against
-history it is not part of):
+The rule, per series, over the previous `window` values (`SpikeOptions`, ``DetectConfig.options
+["spike"]``; the new value is judged against history it is not part of):
 
-    spike  ⇔  n ≥ spike_min_history  and  x ≥ median + spike_sigma · σ_robust  and  x ≥ min_ratio · median
-           or  n ≥ spike_min_history  and  x ≥ spike_factor · median
+    spike  ⇔  n ≥ min_history  and  x ≥ median + sigma · σ_robust  and  x ≥ min_ratio · median
+           or  n ≥ min_history  and  x ≥ factor · median
 
 - window 128 and 6σ are OLMo's (StabilityMonitor / SkipStepOptimizer: mean + 6σ over 128 steps).
   The median and σ_robust = 1.4826·MAD replace OLMo's mean and std so that one spike in the
@@ -17,29 +17,64 @@ history it is not part of):
   with the gradient norm at 2.1–4.8× its median and the loss at up to 1.9× (one hard batch);
   unstable runs (LR 3e-2, 1e-1) jump 9–320×. Defaults: loss 1.5× (Composer's KillLossSpike and
   Lightning Fabric use 2×), gradient norms 5×, update ratios 2×.
-- `spike_factor` 10× is Megatron's large-loss / large-grad check (value ≥ 10× its reference): a
+- `factor` 10× is Megatron's large-loss / large-grad check (value ≥ 10× its reference): a
   gross jump is a spike even when the window is too noisy for σ to say so. (For positive series
   median + 6·1.4826·MAD ≤ 9.9× the median, so at the defaults it matters only when the min
-  ratio or spike_sigma is raised.)
+  ratio or sigma is raised.)
 - Only upward spikes count (a sudden *drop* of loss or norm is not an instability).
 
 The spike score (`spike/<series>/score`) is OLMo 2's (§3.2): the percentage of values at least
 `score_sigma` (7) standard deviations from the mean of the previous `score_window` (1000) values,
-cumulative over the run; values are scored once `spike_min_history` values precede them.
+cumulative over the run; values are scored once `min_history` values precede them.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..events import Event
 from ..plugins import DETECTORS
+from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
 from .rolling import RollingWindow
+
+
+def _default_min_ratio() -> dict[str, float]:
+    return {"loss": 1.5, "grad/*": 5.0, "update/*": 2.0, "*": 1.0}
+
+
+@dataclass(frozen=True)
+class SpikeOptions:
+    """``DetectConfig.options["spike"]``."""
+
+    series: tuple[str, ...] = ("loss", "grad/global_norm", "grad/*/norm", "update/*/ratio")
+    """Globs of the metrics the spike detector watches."""
+    window: int = field(default=128, metadata=bounds(lo=1))
+    """Values of each series in the rolling window (OLMo's StabilityMonitor: 128 steps)."""
+    sigma: float = field(default=6.0, metadata=bounds(lo=0, lo_open=True))
+    """A spike is at least this many robust standard deviations above the rolling median (OLMo: mean + 6σ)."""
+    min_ratio: dict[str, float] = field(default_factory=_default_min_ratio, metadata=bounds(lo=1))
+    """Glob -> the value must also be at least this multiple of the rolling median (first matching glob wins)."""
+    factor: float | None = field(default=10.0, metadata=bounds(lo=1, lo_open=True))
+    """A value at least this multiple of the rolling median is a spike whatever σ says (Megatron: 10×); None = off."""
+    min_history: int = field(default=64, metadata=bounds(lo=2))
+    """Values a series needs before it can spike (half the window, like OLMo-core's skip-step)."""
+    score_window: int = field(default=1000, metadata=bounds(lo=1))
+    """OLMo 2 spike score: values in the rolling mean/std window."""
+    score_sigma: float = field(default=7.0, metadata=bounds(lo=0, lo_open=True))
+    """OLMo 2 spike score: distance from the rolling mean, in standard deviations, that counts as a spike."""
+
+    def min_ratio_of(self, series: str) -> float:
+        """The minimum multiple of the rolling median a spike of `series` must reach."""
+        for pattern, ratio in self.min_ratio.items():
+            if fnmatch.fnmatchcase(series, pattern):
+                return float(ratio)
+        return 1.0
 
 
 @dataclass
@@ -59,9 +94,10 @@ class SeriesState:
 
 @DETECTORS.register
 class SpikeDetector(Detector):
-    """Per-series spike rule and spike score for every metric matching `DetectConfig.spike_series`."""
+    """Per-series spike rule and spike score for every metric matching `SpikeOptions.series`."""
 
     kind = "spike"
+    options_class = SpikeOptions
     before_update = ("grad/*",)
     advice: ClassVar[dict[str, Advice]] = {
         "early_grad_blowup_post": Advice(
@@ -88,8 +124,8 @@ class SpikeDetector(Detector):
 
     def __init__(self, ctx: DetectorContext) -> None:
         super().__init__(ctx)
-        self.config = ctx.config
-        self.watches = self.config.spike_series  # type: ignore[misc]
+        self.options = ctx.options(self.kind, SpikeOptions)
+        self.watches = self.options.series  # type: ignore[misc]
         self.series: dict[str, SeriesState] = {}
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
@@ -125,17 +161,17 @@ class SpikeDetector(Detector):
         """
         if not math.isfinite(x):
             return None, None
-        cfg = self.config
+        o = self.options
         state = self.series.get(name)
         if state is None:
-            state = SeriesState(RollingWindow(cfg.spike_window), RollingWindow(cfg.score_window))
+            state = SeriesState(RollingWindow(o.window), RollingWindow(o.score_window))
             self.series[name] = state
         event = self._judge(step, name, x, state)
         score = None
-        if len(state.score_window) >= cfg.spike_min_history:
+        if len(state.score_window) >= o.min_history:
             mean, std = state.score_window.mean_std()
             state.scored += 1
-            if abs(x - mean) >= cfg.score_sigma * std and std > 0:
+            if abs(x - mean) >= o.score_sigma * std and std > 0:
                 state.flagged += 1
             score = state.score
         state.window.push(x)
@@ -143,19 +179,19 @@ class SpikeDetector(Detector):
         return event, score
 
     def _judge(self, step: int, name: str, x: float, state: SeriesState) -> Event | None:
-        cfg = self.config
-        if len(state.window) < cfg.spike_min_history:
+        o = self.options
+        if len(state.window) < o.min_history:
             return None
         med, sigma = state.window.median_sigma()
         if med <= 0 or x <= med:
             return None
-        threshold = max(med + cfg.spike_sigma * sigma, cfg.min_ratio(name) * med)
-        factor_line = cfg.spike_factor * med if cfg.spike_factor is not None else math.inf
+        threshold = max(med + o.sigma * sigma, o.min_ratio_of(name) * med)
+        factor_line = o.factor * med if o.factor is not None else math.inf
         if x < threshold and x < factor_line:
             return None
         z = (x - med) / sigma if sigma > 0 else math.inf
         crossed = threshold if x >= threshold else factor_line
-        rule = f"{z:.1f}σ above the median" if x >= threshold else f"≥ {cfg.spike_factor:g}× the median"
+        rule = f"{z:.1f}σ above the median" if x >= threshold else f"≥ {o.factor:g}× the median"
         return Event(
             step=step,
             kind="spike",
@@ -190,10 +226,10 @@ class SpikeDetector(Detector):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore from `state_dict()` output."""
-        cfg = self.config
+        o = self.options
         self.series = {}
         for name, s in state.items():
-            series = SeriesState(RollingWindow(cfg.spike_window), RollingWindow(cfg.score_window))
+            series = SeriesState(RollingWindow(o.window), RollingWindow(o.score_window))
             series.window.load_state_dict(s["window"])
             series.score_window.load_state_dict(s["score_window"])
             series.scored, series.flagged = int(s["scored"]), int(s["flagged"])

@@ -14,6 +14,7 @@ from typing import Any
 
 from torch import nn
 
+from .by_names import by_names
 from .examples import as_example, synthesize_example
 from .families import family_of
 from .modelmap import OPAQUE, DiscoveryError, ModelMap
@@ -128,10 +129,8 @@ def _names_for_opaque(model: nn.Module, traced: ModelMap) -> ModelMap:
     """The traced forward made no attention call stabkit can read: module names may still tell the
     blocks, attention modules, MLPs and norm placement (their impl is opaque: the trace saw no call);
     the logits stay the traced ones. Without a match by names, the traced repeated units stand."""
-    from .inspect_model import _by_names
-
     try:
-        named = _by_names(model, {})
+        named = by_names(model, {})
     except DiscoveryError:
         return traced
     for a in named.attentions:

@@ -2,6 +2,15 @@
 
 Runs once at discovery time. The generic rules in `roles` find the modules; a family adds the
 facts names cannot tell (where the norms sit, how attention is computed).
+
+A model's classes may *declare* their family, so stabkit needs no import of them: a block or
+attention module class with a class attribute ``stabkit_family = "<family>"`` (`FAMILY_ATTR`, one
+of `FAMILIES`) is taken to be of that family (subclasses inherit it). The reference GPT
+(``stabkit.harness.models``) declares `STABKIT_GPT` on its ``Block`` and ``Attention``, and so
+promises their layout: a block with ``norm1``, ``norm2``, optional ``post_norm1``/``post_norm2``
+and ``placement`` ('pre' | 'post' | 'sandwich'); an attention module with ``q_norm``/``k_norm``
+slots (None or a norm over the head dim, applied to q and k (B, H, T, hd) before RoPE) and its
+own ``softcap`` (None or the cap). Other families are recognised by their structure below.
 """
 
 from __future__ import annotations
@@ -11,13 +20,28 @@ from torch import nn
 from .modelmap import NormMap
 from .roles import block_norms, child, norm_kind
 
+FAMILY_ATTR = "stabkit_family"
+"""The class attribute a block or attention module class sets to declare its family."""
+STABKIT_GPT = "stabkit-gpt"
+"""The family of the reference GPT (``stabkit.harness.models``), declared by its classes."""
+FAMILIES = (STABKIT_GPT, "torch-encoder", "hf-gpt2", "hf-llama", "nanogpt")
+"""The families stabkit knows; a declaration naming anything else is ignored."""
+
+
+def declared_family(module: nn.Module) -> str | None:
+    """The family `module`'s class declares (class attribute `FAMILY_ATTR`, one of `FAMILIES`), else None."""
+    value = getattr(type(module), FAMILY_ATTR, None)
+    return value if isinstance(value, str) and value in FAMILIES else None
+
 
 def family_of(block: nn.Module) -> str:
-    """Name the family of a block module: 'stabkit-gpt', 'torch-encoder', 'hf-gpt2', 'hf-llama', 'nanogpt' or 'fallback'."""
-    from ..harness.models.gpt import Block
+    """Name the family of a block module: 'stabkit-gpt', 'torch-encoder', 'hf-gpt2', 'hf-llama', 'nanogpt' or 'fallback'.
 
-    if isinstance(block, Block):
-        return "stabkit-gpt"
+    A declared family (`declared_family`) wins; otherwise the block's class and structure decide.
+    """
+    declared = declared_family(block)
+    if declared is not None:
+        return declared
     if isinstance(block, nn.TransformerEncoderLayer):
         return "torch-encoder"
     if type(block).__name__ == "GPT2Block":
@@ -43,7 +67,7 @@ def family_of(block: nn.Module) -> str:
 
 def attention_impl(family: str, attn: nn.Module) -> str:
     """How the family's attention module computes attention."""
-    if family == "stabkit-gpt":
+    if family == STABKIT_GPT:
         return "eager" if getattr(attn, "softcap", None) is not None else "sdpa"
     if family.startswith("hf-"):
         impl = getattr(getattr(attn, "config", None), "_attn_implementation", None) or "eager"
@@ -64,7 +88,7 @@ def mlp_path(family: str, block: nn.Module) -> str | None:
 
 def norms_and_placement(family: str, block: nn.Module, prefix: str) -> tuple[list[NormMap], str, bool]:
     """The block's norms, its placement ('pre' | 'post' | 'sandwich' | 'unknown'), and whether it was guessed."""
-    if family == "stabkit-gpt":
+    if family == STABKIT_GPT:
         placement = str(getattr(block, "placement", "pre"))
         first = "post" if placement == "post" else "pre"
         norms = [

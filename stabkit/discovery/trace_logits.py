@@ -9,7 +9,7 @@ logit_softcap on a model without attention).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
@@ -17,9 +17,7 @@ from torch import nn
 from .modelmap import LogitsMap, ModelMap
 from .roles import is_norm
 from .trace import Trace
-
-if TYPE_CHECKING:
-    from .trace_map import _Builder
+from .trace_builder import TraceBuilder
 
 
 def find_logits(output: Any) -> tuple[Any, str | int | None]:
@@ -45,14 +43,12 @@ def find_logits(output: Any) -> tuple[Any, str | int | None]:
 
 def logits_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
     """A map holding only the final logits (for z_loss / logit_softcap when no attention is found)."""
-    from .trace_map import _Builder
-
     mmap = ModelMap(family="traced", blocks=[])
-    find_final_logits(_Builder(model, trace), mmap)
+    find_final_logits(TraceBuilder(model, trace), mmap)
     return mmap
 
 
-def _loss_head(b: _Builder, loss: torch.Tensor, last_end: int) -> tuple[str, int] | None:
+def _loss_head(b: TraceBuilder, loss: torch.Tensor, last_end: int) -> tuple[str, int] | None:
     """(head module, vocabulary) of a loss-only model: the last projection after the blocks, feeding
     the loss, whose output is a module's output (the head the logits can be read from)."""
     t = b.trace
@@ -65,7 +61,7 @@ def _loss_head(b: _Builder, loss: torch.Tensor, last_end: int) -> tuple[str, int
     return None
 
 
-def find_final_logits(b: _Builder, mmap: ModelMap) -> None:
+def find_final_logits(b: TraceBuilder, mmap: ModelMap) -> None:
     """Fill `mmap.logits`, `output_head`, `vocab_size` and `final_norm` from the trace."""
     t = b.trace
     tensor, key = find_logits(t.output)

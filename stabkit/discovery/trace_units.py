@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import TYPE_CHECKING
 
 from torch import nn
 
@@ -28,9 +27,7 @@ from .families import family_of
 from .families import mlp_path as mlp_path_by_name
 from .modelmap import OPAQUE, BlockMap, ModelMap, NormMap, Placement
 from .roles import find_attention, is_norm, map_attention, norm_kind
-
-if TYPE_CHECKING:
-    from .trace_map import _Builder
+from .trace_builder import TraceBuilder
 
 CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
 MIXER = re.compile(
@@ -54,7 +51,7 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(iter(module.parameters()), None) is not None
 
 
-def mixes_tokens(b: _Builder, path: str) -> bool:
+def mixes_tokens(b: TraceBuilder, path: str) -> bool:
     """True when the forward of `path` made a token-mixing op (see the module docstring)."""
     calls = [m for m in b.trace.modules if m.path == path]
     return any(c.start <= i < c.end for c in calls for i in b.trace.mixing)
@@ -68,7 +65,7 @@ def _mixer(block: nn.Module, path: str) -> str | None:
     return None
 
 
-def _unit(b: _Builder, path: str, attention: bool) -> BlockMap:
+def _unit(b: TraceBuilder, path: str, attention: bool) -> BlockMap:
     """A block mapped without a readable attention call: attention by names (opaque) or none."""
     module = b.modules[path]
     rel = mlp_path_by_name(family_of(module), module)
@@ -108,13 +105,13 @@ def _unit(b: _Builder, path: str, attention: bool) -> BlockMap:
     )
 
 
-def _span(b: _Builder, path: str) -> tuple[int | None, int | None, int, int] | None:
+def _span(b: TraceBuilder, path: str) -> tuple[int | None, int | None, int, int] | None:
     """(input id, output id, first op, last op) of the first call of the module at `path`."""
     call = next((m for m in b.trace.modules if m.path == path), None)
     return (call.input, call.output, call.start, call.end) if call is not None else None
 
 
-def parallel_mixer(b: _Builder, block: str, taken: list[str | None]) -> str | None:
+def parallel_mixer(b: TraceBuilder, block: str, taken: list[str | None]) -> str | None:
     """A child of an attention block that mixes tokens beside the attention (Falcon-H1's Mamba): the
     attention sub-layer's output is then a sum, not the attention module's output."""
     module = b.modules[block]
@@ -128,7 +125,7 @@ def parallel_mixer(b: _Builder, block: str, taken: list[str | None]) -> str | No
     return None
 
 
-def other_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
+def other_blocks(b: TraceBuilder, blocks: list[BlockMap]) -> list[BlockMap]:
     """Opaque attention blocks and blocks without attention beside the traced ones (module docstring)."""
     known = {bm.path for bm in blocks}
     ran = {m.path for m in b.trace.modules}
@@ -153,7 +150,7 @@ def other_blocks(b: _Builder, blocks: list[BlockMap]) -> list[BlockMap]:
     return out
 
 
-def repeated_units(b: _Builder) -> list[BlockMap]:
+def repeated_units(b: TraceBuilder) -> list[BlockMap]:
     """When no attention call was seen at all: the largest container's same-class units that ran."""
     ran = {m.path for m in b.trace.modules}
     best: list[str] = []
@@ -173,7 +170,7 @@ def repeated_units(b: _Builder) -> list[BlockMap]:
     return [_unit(b, p, attention=find_attention(b.modules[p]) is not None) for p in best]
 
 
-def gaps(b: _Builder, mmap: ModelMap) -> list[str]:
+def gaps(b: TraceBuilder, mmap: ModelMap) -> list[str]:
     """What discovery could not find in this trace, each with how to supply it."""
     out: list[str] = []
     opaque = [a.path for a in mmap.attentions if a.impl == OPAQUE]

@@ -7,20 +7,15 @@ library never needs the harness to watch a model, the harness uses the library l
 - `stabkit.harness.models`: the reference GPT, its config and size presets;
 - `stabkit.harness.data`: byte-level text (embedded by default);
 - `stabkit.harness.training`: the training loop (the caller passes the monitor in);
-- `stabkit.harness.recipes`: recipe files (built-ins in ``recipes/builtin``), runs, sweeps, verdicts;
+- `stabkit.harness.recipes`: recipe files (built-ins in the top-level ``recipes/`` folder, shipped as ``stabkit.harness.recipes.builtin``), runs, sweeps, verdicts;
 - `stabkit.harness.launch`: `stabkit run --nproc N` (torchrun relaunch and the rank's side).
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy
 
 SUBPACKAGES = frozenset({"data", "launch", "models", "recipes", "training"})
+"""``stabkit.harness.models`` (etc.) after a bare ``import stabkit``: loaded on first use."""
 
-
-def __getattr__(name: str) -> Any:
-    """``stabkit.harness.models`` (etc.) after a bare ``import stabkit``: loaded on first use."""
-    if name not in SUBPACKAGES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return importlib.import_module(f".{name}", __name__)
+__getattr__, __dir__ = lazy(__name__, {}, SUBPACKAGES)

@@ -8,20 +8,16 @@ Import the one you use (each needs its framework installed):
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from ..lazy import lazy_names
 
 if TYPE_CHECKING:
     from .session import Session, inner_optimizer
 
 _LAZY = {"Session": "session", "inner_optimizer": "session"}
 
-
-def __getattr__(name: str) -> Any:
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'stabkit.integrations' has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+__getattr__ = lazy_names(__name__, _LAZY)
 
 
 __all__ = ["Session", "inner_optimizer"]

@@ -1,9 +1,12 @@
 """Switchable interventions on an existing model: z-loss, QK-norm, soft capping, norm relocation.
 
 ``handle = stabkit.interventions.apply(model, "qk_norm")`` performs reversible surgery and returns a
-`Handle`; ``handle.remove()`` restores the model exactly. See `REGISTRY` / `describe_registry()`.
+`Handle`; ``handle.remove()`` restores the model exactly. Each intervention is a plug-in
+(`Intervention`, registered in `stabkit.plugins.INTERVENTIONS`: one file and one line there for a
+built-in, ``@INTERVENTIONS.register`` for yours); `describe_registry()` lists them.
 """
 
+from .base import Intervention, NoOptions, check_options, choices
 from .handle import Handle, InterventionError, active_interventions
 from .qknorm import HeadNorm, qk_norm_logit_bound, qk_norm_logit_bounds
 from .registry import ORDER, REGISTRY, InterventionSpec, apply, apply_many, describe_registry
@@ -15,12 +18,16 @@ __all__ = [
     "REGISTRY",
     "Handle",
     "HeadNorm",
+    "Intervention",
     "InterventionError",
     "InterventionSpec",
+    "NoOptions",
     "active_interventions",
     "apply",
     "apply_many",
     "capped_scores",
+    "check_options",
+    "choices",
     "describe_registry",
     "qk_norm_logit_bound",
     "qk_norm_logit_bounds",

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import inspect as pyinspect
 import re
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -48,6 +49,8 @@ from torch import nn
 from ..discovery.families import family_of
 from ..discovery.modelmap import AttentionMap, BlockMap, ModelMap
 from ..discovery.roles import is_norm, out_features
+from ..plugins import INTERVENTIONS
+from .base import Intervention, choices
 from .common import (
     add_module,
     keep_hook,
@@ -444,3 +447,26 @@ def _rewire_post(handle: Handle, model: nn.Module, block: nn.Module, bmap: Block
         return block.get_submodule(norm_m)(h + block.get_submodule(mlp_rel)(h))
 
     set_attr(handle, block, "forward", forward)
+
+
+@dataclass(frozen=True)
+class NormPlacementOptions:
+    """The options of ``norm_placement``."""
+
+    to: str = field(default="sandwich", metadata=choices(*PLACEMENTS))
+    """Where the block norms go: 'pre', 'post' or 'sandwich' (an extra norm on each sub-layer output)."""
+
+
+@INTERVENTIONS.register
+class NormPlacementIntervention(Intervention):
+    """``norm_placement``: move the block norms (norm surgery: applied after rmsnorm, before attention)."""
+
+    name = NAME
+    order = 20
+    description = (
+        "move the block norms: pre, post, or sandwich (extra norm on each sub-layer output before the add)"
+    )
+    options_class = NormPlacementOptions
+
+    def apply(self, model: nn.Module, model_map: Any, options: NormPlacementOptions) -> Handle:
+        return apply_norm_placement(model, options.to, model_map)

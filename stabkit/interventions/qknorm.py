@@ -18,17 +18,27 @@ The gains live in a ``stabkit_qk_norm`` submodule (``.q.weight``, ``.k.weight``)
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from ..discovery.roles import out_features
+from ..hooks import DIRECT
+from ..plugins import INTERVENTIONS
+from ..tables import bounds
+from .base import Intervention, choices
 from .common import QK_NORM_ATTR, add_module, keep_hook, model_map, norm_eps, swap_module
 from .handle import Handle, InterventionError
 from .mha import patch_mha
 from .qknorm_routes import hook_at_call, hook_weight_ops, normalise_columns
+from .verify import check_qk_norm
+
+if TYPE_CHECKING:
+    from ..discovery.trace import Trace
 
 NAME = "qk_norm"
 NORM_KINDS = ("rmsnorm", "layernorm")
@@ -81,7 +91,7 @@ def apply_qk_norm(
 
     ``eps`` defaults to the epsilon of the block's own norms (1e-6 when it has none).
     """
-    from ..harness.models.layers import Attention as StabkitAttention
+    from ..discovery.families import STABKIT_GPT, declared_family
 
     if kind not in NORM_KINDS:
         raise InterventionError(NAME, "", f"kind must be one of {NORM_KINDS}, got {kind!r}")
@@ -105,7 +115,7 @@ def apply_qk_norm(
             block = mmap.block_of(a.path)
             block_norms = next((b.norms for b in mmap.blocks if b.path == block), [])
             norms = QKNorm(hd, kind, _eps(model, block_norms, eps)).to(device=ref.device, dtype=ref.dtype)
-            if isinstance(attn, StabkitAttention):
+            if declared_family(attn) == STABKIT_GPT:  # the reference GPT: fill its q_norm/k_norm slots
                 swap_module(handle, attn, "q_norm", norms.q)
                 swap_module(handle, attn, "k_norm", norms.k)
                 handle.add_parameters(norms.parameters())
@@ -265,3 +275,58 @@ def qk_norm_logit_bound(model: nn.Module) -> float:
     if not bounds:
         raise InterventionError(NAME, type(model).__name__, "no attention module with QK-norm found")
     return max(bounds.values())
+
+
+@dataclass(frozen=True)
+class QKNormOptions:
+    """The options of ``qk_norm``."""
+
+    kind: str = field(default="rmsnorm", metadata=choices(*NORM_KINDS))
+    """The per-head norm: 'rmsnorm' or 'layernorm' (gain only)."""
+    eps: float | None = field(default=None, metadata=bounds(lo=0.0, lo_open=True, hint="or None"))
+    """The norm's epsilon; None: the epsilon of the block's own norms (1e-6 when it has none)."""
+
+
+@INTERVENTIONS.register
+class QKNormIntervention(Intervention):
+    """``qk_norm``: per-head norm of queries and keys (attention: after norm surgery, before the caps).
+
+    At a mid-run switch its gains start at each norm's mean RMS of the q or k it normalises
+    (`match_at_switch`), so ``γ·q/rms(q) ≈ q`` on average."""
+
+    name = NAME
+    order = 30
+    description = "per-head norm of queries and keys (learnable gain, before RoPE) to bound attention logits"
+    options_class = QKNormOptions
+    midrun = True
+    midrun_preference = 10
+
+    def apply(self, model: nn.Module, model_map: Any, options: QKNormOptions) -> Handle:
+        return apply_qk_norm(model, options.kind, options.eps, model_map)
+
+    def verify(self, trace: Trace, model: nn.Module, handle: Handle) -> None:
+        check_qk_norm(trace)
+
+    def match_at_switch(self, model: nn.Module, handle: Handle, rerun: Callable[[], Any]) -> None:
+        """Set each HeadNorm's gain to the mean RMS (over tokens and heads) of the q or k it
+        normalises on the rerun forwards, so the normalised q and k keep their scale."""
+        norms = [m for m in model.modules() if isinstance(m, HeadNorm)]
+        sums: dict[int, list[float]] = {id(m): [0.0, 0.0] for m in norms}
+
+        def measure(module: HeadNorm, args: tuple[Any, ...]) -> None:
+            x = args[0].detach().float().unflatten(-1, (-1, module.head_dim))  # (..., H, hd)
+            entry = sums[id(module)]
+            entry[0] += float(x.pow(2).mean(-1).sqrt().sum())  # sync point (once per rescue)
+            entry[1] += x[..., 0].numel()
+
+        hooks = [DIRECT.forward_pre(NAME, m, measure) for m in norms]
+        try:
+            rerun()
+        finally:
+            for h in hooks:
+                h.remove()
+        with torch.no_grad():
+            for m in norms:
+                total, count = sums[id(m)]
+                if count:
+                    m.weight.fill_(total / count)

@@ -1,15 +1,21 @@
-"""The intervention registry and `apply`: name -> spec, option checking, ordering, one combined handle.
+"""`apply`: name -> plug-in (`stabkit.plugins.INTERVENTIONS`), option checking, ordering, one handle.
 
 ``apply`` runs once, before (or between) training steps. Several interventions given in one call
-are applied in the registry's canonical order (`ORDER`: norm surgery first, then attention, then
-the output logits), whatever order they are listed in, so the result does not depend on it; the
-same intervention twice, or one already active on the model, is refused. If one fails, the ones
-already applied are removed again before the error propagates.
+are applied in canonical order (each plug-in's `Intervention.order`: norm surgery first, then
+attention, then the output logits; `ORDER`), whatever order they are listed in, so the result does
+not depend on it; the same intervention twice, or one already active on the model, is refused. If
+one fails, the ones already applied are removed again before the error propagates.
+
+Everything here reads the registry when it is used, so an intervention registered after import
+(``@INTERVENTIONS.register``) is applied, ordered, listed and checked like a built-in. `REGISTRY` is
+a live name -> `InterventionSpec` view of it (what recipes and older code read); assigning a spec
+to it registers a plug-in made from that spec.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+import dataclasses
+from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any, Union
 
@@ -18,18 +24,15 @@ from torch import nn
 from ..discovery import DiscoveryError, inspect_model
 from ..discovery.discover import last_example
 from ..discovery.examples import synthesize_example
+from ..plugins import INTERVENTIONS, LiveNames
+from .base import Intervention, check_options, choices, describe_options, option_choices, option_defaults
 from .handle import Handle, InterventionError, active_interventions, remember
-from .placement import PLACEMENTS, apply_norm_placement
-from .qknorm import NORM_KINDS, apply_qk_norm
-from .rmsnorm import apply_rmsnorm
-from .softcap import apply_attn_softcap, apply_logit_softcap
 from .verify import verify
-from .zloss import apply_z_loss
 
 
 @dataclass(frozen=True)
 class InterventionSpec:
-    """One registry entry."""
+    """One intervention as a plain record (read from its plug-in class by `REGISTRY`)."""
 
     factory: Callable[..., Handle]
     """factory(model, model_map_override=..., **options) -> Handle."""
@@ -41,85 +44,116 @@ class InterventionSpec:
     """Options restricted to a set of values."""
 
 
-REGISTRY: dict[str, InterventionSpec] = {
-    "rmsnorm": InterventionSpec(
-        apply_rmsnorm,
-        {"drop_bias": False},
-        "swap every LayerNorm for an RMSNorm carrying the same gain (refuses non-zero biases unless drop_bias)",
-    ),
-    "norm_placement": InterventionSpec(
-        apply_norm_placement,
-        {"to": "sandwich"},
-        "move the block norms: pre, post, or sandwich (extra norm on each sub-layer output before the add)",
-        {"to": PLACEMENTS},
-    ),
-    "qk_norm": InterventionSpec(
-        apply_qk_norm,
-        {"kind": "rmsnorm", "eps": None},
-        "per-head norm of queries and keys (learnable gain, before RoPE) to bound attention logits",
-        {"kind": NORM_KINDS},
-    ),
-    "attn_softcap": InterventionSpec(
-        apply_attn_softcap,
-        {"cap": 50.0},
-        "cap·tanh(logits/cap) on attention logits before the softmax (Gemma 2)",
-    ),
-    "logit_softcap": InterventionSpec(
-        apply_logit_softcap,
-        {"cap": 30.0},
-        "cap·tanh(logits/cap) on the output logits (Gemma 2)",
-    ),
-    "z_loss": InterventionSpec(
-        apply_z_loss,
-        {"coef": 1e-4},
-        "adds the gradient of coef·mean(logsumexp(logits)²) without touching the loss code (PaLM)",
-    ),
-}
-"""Intervention name -> spec. Listed by `describe_registry` (``stabkit list interventions``)."""
+def plugin(name: str) -> type[Intervention]:
+    """The plug-in class registered as `name` (loads a built-in); InterventionError when none is."""
+    if name not in INTERVENTIONS:
+        raise InterventionError(name, "", f"unknown intervention; allowed: {list(ordered())}")
+    cls: type[Intervention] = INTERVENTIONS.load(name)
+    return cls
 
-ORDER: tuple[str, ...] = tuple(REGISTRY)
-"""Canonical application order."""
+
+def ordered() -> tuple[str, ...]:
+    """Every registered intervention name in canonical order (`Intervention.order`, then registration)."""
+    names = INTERVENTIONS.names()
+    rank = {n: i for i, n in enumerate(names)}
+    return tuple(sorted(names, key=lambda n: (INTERVENTIONS.load(n).order, rank[n])))
+
+
+ORDER = LiveNames(ordered)
+"""Canonical application order (live: a plug-in registered later has its place in it)."""
+
+
+def spec_of(cls: type[Intervention]) -> InterventionSpec:
+    """The plain record of plug-in `cls`."""
+
+    def factory(model: nn.Module, model_map_override: Any = None, **options: Any) -> Handle:
+        return cls().apply(model, model_map_override, check_options(cls, options))
+
+    return InterventionSpec(factory, option_defaults(cls), cls.description, option_choices(cls))
+
+
+def _constant(value: Any) -> Callable[[], Any]:
+    return lambda: value
+
+
+def _from_spec(name: str, spec: InterventionSpec) -> type[Intervention]:
+    """A plug-in class built from a spec (``REGISTRY[name] = InterventionSpec(...)``, the older way)."""
+    fields = [
+        (
+            k,
+            Any,
+            field(
+                default_factory=_constant(v),
+                metadata=choices(*spec.choices.get(k, ())) if k in spec.choices else {},
+            ),
+        )
+        for k, v in spec.defaults.items()
+    ]
+    options = dataclasses.make_dataclass(f"{name}_options", fields, frozen=True)
+
+    def apply(self: Intervention, model: nn.Module, model_map: Any, opts: Any) -> Handle:
+        given = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
+        return spec.factory(model, model_map_override=model_map, **given)
+
+    attrs = {"name": name, "description": spec.description, "options_class": options, "apply": apply}
+    return type(f"SpecIntervention_{name}", (Intervention,), attrs)
+
+
+class _Registry(MutableMapping[str, InterventionSpec]):
+    """Name -> `InterventionSpec`, read live from `stabkit.plugins.INTERVENTIONS` in canonical order."""
+
+    def __getitem__(self, name: str) -> InterventionSpec:
+        if name not in INTERVENTIONS:
+            raise KeyError(name)
+        return spec_of(INTERVENTIONS.load(name))
+
+    def __setitem__(self, name: str, spec: InterventionSpec) -> None:
+        INTERVENTIONS.unregister(name)
+        INTERVENTIONS.register(_from_spec(name, spec))
+
+    def __delitem__(self, name: str) -> None:
+        if name not in INTERVENTIONS:
+            raise KeyError(name)
+        INTERVENTIONS.unregister(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(ordered())
+
+    def __len__(self) -> int:
+        return len(INTERVENTIONS.names())
+
+    def __contains__(self, name: object) -> bool:
+        return name in INTERVENTIONS
+
+
+REGISTRY: MutableMapping[str, InterventionSpec] = _Registry()
+"""Intervention name -> spec, a live view of `stabkit.plugins.INTERVENTIONS`. Listed by
+`describe_registry` (``stabkit list interventions``)."""
 
 Spec = Union[str, tuple[str, Mapping[str, Any]]]  # noqa: UP007  (runtime alias on Python 3.10)
 
 
 def describe_registry() -> str:
     """A table of the interventions, their options with defaults, and what they do."""
-    width = max(len(n) for n in REGISTRY)
+    names = ordered()
+    width = max(len(n) for n in names)
     lines = []
-    for name, spec in REGISTRY.items():
-        opts = ", ".join(
-            f"{k}={v!r}" + (f" {{{'|'.join(map(str, spec.choices[k]))}}}" if k in spec.choices else "")
-            for k, v in spec.defaults.items()
-        )
-        lines.append(f"{name:<{width}}  {spec.description}")
-        lines.append(f"{'':<{width}}    options: {opts}")
+    for name in names:
+        cls = plugin(name)
+        lines.append(f"{name:<{width}}  {cls.description}")
+        lines.append(f"{'':<{width}}    options: {describe_options(cls)}")
     return "\n".join(lines)
 
 
-def _options(name: str, given: Mapping[str, Any]) -> dict[str, Any]:
-    if name not in REGISTRY:
-        raise InterventionError(name, "", f"unknown intervention; allowed: {list(REGISTRY)}")
-    spec = REGISTRY[name]
-    unknown = sorted(set(given) - set(spec.defaults))
-    if unknown:
-        allowed = ", ".join(f"{k} (default {v!r})" for k, v in spec.defaults.items())
-        raise InterventionError(name, "", f"unknown option(s) {unknown}; allowed: {allowed}")
-    options = {**spec.defaults, **given}
-    for key, allowed_values in spec.choices.items():
-        if options[key] not in allowed_values:
-            raise InterventionError(name, "", f"{key} must be one of {allowed_values}, got {options[key]!r}")
-    return options
-
-
-def _normalise(specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+def _normalise(specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]]) -> list[tuple[str, Any]]:
+    """(name, checked options) per entry."""
     if isinstance(specs, Mapping):
         items: Iterable[Any] = [(k, v or {}) for k, v in specs.items()]
     elif isinstance(specs, str):
         items = [specs]
     else:
         items = specs
-    out: list[tuple[str, dict[str, Any]]] = []
+    out: list[tuple[str, Any]] = []
     for item in items:
         if isinstance(item, str):
             name, given = item, {}
@@ -134,7 +168,7 @@ def _normalise(specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]]) -> list[
             raise InterventionError(
                 str(item), "", "each intervention is a name or a (name, {option: value}) pair"
             )
-        out.append((name, _options(name, given)))
+        out.append((name, check_options(plugin(name), given)))
     return out
 
 
@@ -159,7 +193,8 @@ def apply_many(
             raise InterventionError(
                 name, type(model).__name__, "already active on this model (remove it first)"
             )
-    items.sort(key=lambda item: ORDER.index(item[0]))
+    order = ordered()
+    items.sort(key=lambda item: order.index(item[0]))
     if example is not None and model_map is None:
         try:
             inspect_model(model, example=example)  # trace on it: the interventions read this map
@@ -168,7 +203,7 @@ def apply_many(
     done: list[Handle] = []
     try:
         for name, options in items:
-            handle = REGISTRY[name].factory(model, model_map_override=model_map, **options)
+            handle = plugin(name)().apply(model, model_map, options)
             remember(model, name, handle)
             done.append(handle)
         ex = example if example is not None else last_example(model) or synthesize_example(model)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -30,6 +31,8 @@ from torch import nn
 
 from ..discovery.roles import is_norm, norm_kind
 from ..layers import RMSNorm
+from ..plugins import INTERVENTIONS
+from .base import Intervention
 from .common import keep_slow_path, norm_width, parent_of, swap_module
 from .handle import Handle, InterventionError
 
@@ -223,3 +226,24 @@ def apply_rmsnorm(model: nn.Module, drop_bias: bool = False, model_map_override:
             stacklevel=3,
         )
     return handle
+
+
+@dataclass(frozen=True)
+class RMSNormOptions:
+    """The options of ``rmsnorm``."""
+
+    drop_bias: bool = False
+    """Drop the LayerNorms' non-zero biases (an RMSNorm cannot carry them) instead of refusing."""
+
+
+@INTERVENTIONS.register
+class RMSNormIntervention(Intervention):
+    """``rmsnorm``: every LayerNorm becomes an RMSNorm with the same gain (norm surgery: applied first)."""
+
+    name = NAME
+    order = 10
+    description = "swap every LayerNorm for an RMSNorm carrying the same gain (refuses non-zero biases unless drop_bias)"
+    options_class = RMSNormOptions
+
+    def apply(self, model: nn.Module, model_map: Any, options: RMSNormOptions) -> Handle:
+        return apply_rmsnorm(model, options.drop_bias, model_map)

@@ -25,9 +25,11 @@ the same head sees capped logits).
 
 from __future__ import annotations
 
+import math
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -35,10 +37,17 @@ from torch import nn
 from ..attention import kernels
 from ..attention.math import SDPAArgs
 from ..attention.scope import SDPA, Handler, attach_scope
+from ..plugins import INTERVENTIONS
+from ..tables import bounds
+from .base import Intervention
 from .common import keep_hook, logits_map, model_map, set_attr, warn_internal_loss
 from .handle import Handle, InterventionError
 from .mha import SOFTCAP_ATTR, patch_mha
 from .softcap_eager import EagerCap
+from .verify import check_capped
+
+if TYPE_CHECKING:
+    from ..discovery.trace import Trace
 
 ATTN = "attn_softcap"
 LOGIT = "logit_softcap"
@@ -137,7 +146,7 @@ def _route(a: Any, attn: nn.Module) -> str:
 
 def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: Any = None) -> Handle:
     """Cap every attention module's logits at ``cap`` (see the module docstring). Runs at each forward."""
-    from ..harness.models.layers import Attention as StabkitAttention
+    from ..discovery.families import STABKIT_GPT, declared_family
 
     cap = _check_cap(ATTN, cap)
     mmap = model_map(model, ATTN, model_map_override)
@@ -146,7 +155,7 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
     try:
         for a in {a.path: a for a in mmap.attentions}.values():
             attn = model.get_submodule(a.path)
-            own = getattr(attn, "softcap", None) if isinstance(attn, StabkitAttention) else None
+            own = getattr(attn, "softcap", None) if declared_family(attn) == STABKIT_GPT else None
             hf_cap = getattr(getattr(attn, "config", None), "attn_logit_softcapping", None)
             if getattr(attn, SOFTCAP_ATTR, None) is not None or own is not None or hf_cap is not None:
                 raise InterventionError(ATTN, a.path, "its attention logits are soft-capped already")
@@ -206,3 +215,69 @@ def apply_logit_softcap(model: nn.Module, cap: float = 30.0, model_map_override:
 
     keep_hook(handle, module.register_forward_hook(hook, prepend=True))
     return handle
+
+
+def _cap_at_switch(default: float, seen: list[float], margin: float) -> dict[str, Any]:
+    """A mid-run cap: `margin` × the largest finite logged value, or `default` if larger."""
+    top = max((v for v in seen if math.isfinite(v)), default=0.0)
+    return {"cap": max(default, margin * top)}
+
+
+@dataclass(frozen=True)
+class AttnSoftcapOptions:
+    """The options of ``attn_softcap``."""
+
+    cap: float = field(default=50.0, metadata=bounds(lo=0.0, lo_open=True))
+    """Attention logits become cap·tanh(logits/cap) (Gemma 2: 50)."""
+
+
+@INTERVENTIONS.register
+class AttnSoftcapIntervention(Intervention):
+    """``attn_softcap`` (attention: after qk_norm). At a mid-run switch the cap starts at the rescue's
+    margin × the newest logged max attention logit, or the default if larger, where
+    ``c·tanh(x/c)`` is within ≈ 8 % of x at the max and much closer below it."""
+
+    name = ATTN
+    order = 40
+    description = "cap·tanh(logits/cap) on attention logits before the softmax (Gemma 2)"
+    options_class = AttnSoftcapOptions
+    midrun = True
+    midrun_preference = 20
+
+    def apply(self, model: nn.Module, model_map: Any, options: AttnSoftcapOptions) -> Handle:
+        return apply_attn_softcap(model, options.cap, model_map)
+
+    def verify(self, trace: Trace, model: nn.Module, handle: Handle) -> None:
+        check_capped(ATTN, handle)
+
+    def midrun_options(self, metrics: Mapping[str, float], margin: float) -> dict[str, Any]:
+        seen = [v for k, v in metrics.items() if k.startswith("attn/") and k.endswith("/max_logit")]
+        return _cap_at_switch(AttnSoftcapOptions().cap, seen, margin)
+
+
+@dataclass(frozen=True)
+class LogitSoftcapOptions:
+    """The options of ``logit_softcap``."""
+
+    cap: float = field(default=30.0, metadata=bounds(lo=0.0, lo_open=True))
+    """Output logits become cap·tanh(logits/cap) (Gemma 2: 30)."""
+
+
+@INTERVENTIONS.register
+class LogitSoftcapIntervention(Intervention):
+    """``logit_softcap`` (output logits: after attention). At a mid-run switch the cap starts at the
+    rescue's margin × the newest logged max |logit| (``logits/max_abs``), or the default if larger."""
+
+    name = LOGIT
+    order = 50
+    description = "cap·tanh(logits/cap) on the output logits (Gemma 2)"
+    options_class = LogitSoftcapOptions
+    midrun = True
+    midrun_preference = 40
+
+    def apply(self, model: nn.Module, model_map: Any, options: LogitSoftcapOptions) -> Handle:
+        return apply_logit_softcap(model, options.cap, model_map)
+
+    def midrun_options(self, metrics: Mapping[str, float], margin: float) -> dict[str, Any]:
+        seen = [v for k, v in metrics.items() if k == "logits/max_abs"]
+        return _cap_at_switch(LogitSoftcapOptions().cap, seen, margin)

@@ -7,10 +7,12 @@ buffers restored, no parameter gradient), so training is unchanged. What is chec
 
 - every intervention: the forward runs (a norm hooked onto a tensor of the wrong width fails here,
   not in training), and every module holding a parameter the intervention added runs;
-- ``qk_norm``: at every attention call the trace sees, each head's query and key vectors have one
-  norm across batch rows and positions (the gain's; whatever route normalised them — a rotation
-  such as RoPE after the norm keeps it);
-- ``attn_softcap``: every attention module it caps had a call capped (its handlers count them).
+- then each intervention's own check, its plug-in's `Intervention.verify` (looked up by name in
+  `stabkit.plugins.INTERVENTIONS`), which the built-ins take from here:
+  ``qk_norm`` (`check_qk_norm`): at every attention call the trace sees, each head's query and key
+  vectors have one norm across batch rows and positions (the gain's; whatever route normalised them
+  — a rotation such as RoPE after the norm keeps it); ``attn_softcap`` (`check_capped`): every
+  attention module it caps had a call capped (its handlers count them).
 
 A check that fails removes nothing itself: `apply` removes the interventions and raises the
 InterventionError this module raises, naming the intervention, the module and what was seen.
@@ -25,6 +27,7 @@ from torch import nn
 
 from ..discovery.examples import as_example
 from ..discovery.trace import Trace, run_trace
+from ..plugins import INTERVENTIONS
 from .handle import Handle, InterventionError
 
 RTOL = 2e-2
@@ -42,7 +45,8 @@ def _spread(x: torch.Tensor) -> torch.Tensor:
     return (top.squeeze(1) - low) / top.squeeze(1).clamp_min(1e-30)
 
 
-def _check_qk_norm(trace: Trace) -> None:
+def check_qk_norm(trace: Trace) -> None:
+    """``qk_norm``: q and k reach every traced attention call normalised per head."""
     for call in trace.calls:
         if call.q is None or call.k is None or call.q.dim() != 4:
             continue
@@ -86,11 +90,14 @@ def verify(model: nn.Module, handles: dict[str, Handle], example: Any) -> None:
         ) from exc
     for name, handle in handles.items():
         _check_ran(trace, model, name, handle)
-        if name == "qk_norm":
-            _check_qk_norm(trace)
-        if name == "attn_softcap":
-            for path in getattr(handle, "capped_paths", []):
-                if handle.counts.get(path, 0) == 0:
-                    raise InterventionError(
-                        name, path, "not in effect: the module ran without a call stabkit could cap"
-                    )
+        if name in INTERVENTIONS:
+            INTERVENTIONS.load(name)().verify(trace, model, handle)
+
+
+def check_capped(name: str, handle: Handle) -> None:
+    """``attn_softcap``: every module it caps (``handle.capped_paths``) had a call capped."""
+    for path in getattr(handle, "capped_paths", []):
+        if handle.counts.get(path, 0) == 0:
+            raise InterventionError(
+                name, path, "not in effect: the module ran without a call stabkit could cap"
+            )

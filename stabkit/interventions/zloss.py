@@ -13,12 +13,16 @@ Two ways to use it:
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
 from ..discovery.trace import tracing
+from ..plugins import INTERVENTIONS
+from ..tables import bounds
+from .base import Intervention
 from .common import keep_hook, logits_map, warn_internal_loss
 from .handle import Handle, InterventionError
 
@@ -79,3 +83,27 @@ def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any =
     keep_hook(handle, module.register_forward_hook(hook))
     handle.set_metrics(lambda: dict(last))
     return handle
+
+
+@dataclass(frozen=True)
+class ZLossOptions:
+    """The options of ``z_loss``."""
+
+    coef: float = field(default=1e-4, metadata=bounds(lo=0.0))
+    """Weight of mean(log Z²) (PaLM: 1e-4)."""
+
+
+@INTERVENTIONS.register
+class ZLossIntervention(Intervention):
+    """``z_loss``: the implicit z-loss on the final logits. Exact at a mid-run switch: it changes only
+    gradients, never a weight or an output."""
+
+    name = NAME
+    order = 60
+    description = "adds the gradient of coef·mean(logsumexp(logits)²) without touching the loss code (PaLM)"
+    options_class = ZLossOptions
+    midrun = True
+    midrun_preference = 30
+
+    def apply(self, model: nn.Module, model_map: Any, options: ZLossOptions) -> Handle:
+        return apply_z_loss(model, options.coef, model_map)

@@ -93,7 +93,7 @@ def test_skip_leaves_parameters_and_optimizer_state_bitwise_unchanged(opt: str) 
 
 
 def test_skip_on_a_gradient_norm_spike() -> None:
-    loop = Loop(actions={"spike": "skip"}, spike_min_history=8)
+    loop = Loop(actions={"spike": "skip"}, options={"spike": {"min_history": 8}})
     for _ in range(12):
         loop.step()
     saved = state_copy(loop.model, loop.opt)
@@ -106,7 +106,9 @@ def test_skip_on_a_gradient_norm_spike() -> None:
 
 
 def test_rollback_restores_the_snapshot_bitwise_in_place() -> None:
-    loop = Loop(actions={"nonfinite": "rollback"}, snapshot_every=4, snapshots=2)
+    loop = Loop(
+        actions={"nonfinite": "rollback"}, options={"rollback": {"snapshot_every": 4, "snapshots": 2}}
+    )
     ids = [id(p) for p in loop.model.parameters()]
     for s in range(11):
         loop.step(keep=s == 8)  # snapshot 8 is the state right before update 8
@@ -122,7 +124,10 @@ def test_rollback_restores_the_snapshot_bitwise_in_place() -> None:
 
 
 def test_rollback_after_the_update_on_a_loss_spike() -> None:
-    loop = Loop(actions={"spike": "rollback"}, snapshot_every=5, snapshots=1, spike_min_history=8)
+    loop = Loop(
+        actions={"spike": "rollback"},
+        options={"rollback": {"snapshot_every": 5, "snapshots": 1}, "spike": {"min_history": 8}},
+    )
     for s in range(12):
         loop.step(keep=s == 10)
     s = loop.step(loss_scale=10.0)
@@ -176,7 +181,7 @@ def test_warn_only_reports_at_the_log_interval_without_localizing() -> None:
 
 @pytest.mark.filterwarnings("ignore:Full backward hook is firing")
 def test_always_on_mode_names_the_module_at_the_log_interval() -> None:
-    loop = Loop(monitor={"log_every": 5}, per_module=True, sync=False)
+    loop = Loop(monitor={"log_every": 5}, options={"nonfinite": {"per_module": True}}, sync=False)
     loop.step()
     s = loop.step(poison=True)
     for _ in range(3):
@@ -204,7 +209,9 @@ def test_remove_takes_every_hook_away_and_is_idempotent() -> None:
         )
 
     before = counts()
-    with mon.install_detectors(DetectConfig(per_module=True, actions={"nonfinite": "skip"})) as handle:
+    with mon.install_detectors(
+        DetectConfig(options={"nonfinite": {"per_module": True}}, actions={"nonfinite": "skip"})
+    ) as handle:
         assert counts() != before and counts()[3]
     assert counts() == before
     handle.remove()

@@ -13,9 +13,9 @@ from zoo import reference_gpt
 import stabkit
 from stabkit.actions import ActionContext
 from stabkit.actions.rescue import Rescue
-from stabkit.detectors.nonfinite import KeptForward, rng_state
 from stabkit.events import Event, InstabilityError
 from stabkit.interventions import active_interventions
+from stabkit.nonfinite.guard import KeptForward, rng_state
 
 from ..detectors.helpers import text_batches, train_with_logit_fault
 
@@ -168,7 +168,9 @@ def test_rescue_on_a_training_loop_rolls_back_switches_on_and_continues() -> Non
     torch.manual_seed(0)
     model = reference_gpt(vocab_size=256, context=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    detect = stabkit.DetectConfig(actions={"attn_entropy": "rescue"}, snapshot_every=20)
+    detect = stabkit.DetectConfig(
+        actions={"attn_entropy": "rescue"}, options={"rollback": {"snapshot_every": 20}}
+    )
     mon = stabkit.attach(
         model, opt, config=stabkit.MonitorConfig(console=False, every=5, log_every=10, detect=detect)
     )
@@ -191,3 +193,107 @@ def test_rescue_on_a_training_loop_rolls_back_switches_on_and_continues() -> Non
     with pytest.warns(RuntimeWarning, match="interventions=\\[\\('qk_norm'"):
         mon2.load_state_dict(state)
     mon2.detach()
+
+
+SCHEDULES: dict[str, Any] = {
+    "LambdaLR": lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)),
+    "OneCycleLR": lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-2, total_steps=40),
+    "ExponentialLR": lambda opt: torch.optim.lr_scheduler.ExponentialLR(opt, gamma=0.8),
+}
+
+
+def shadow_of(schedule: str) -> tuple[torch.optim.Optimizer, Any]:
+    """An optimizer with the same settings over a dummy parameter, and the same schedule: the rates the
+    schedule alone sets."""
+    opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-2)
+    return opt, SCHEDULES[schedule](opt)
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_the_lr_factor_holds_under_a_torch_scheduler(schedule: str) -> None:
+    """Two rescues with lr_factor 0.5: every later update steps at schedule × 0.5, then × 0.25 —
+    neither undone by a scheduler that recomputes the LR (LambdaLR, OneCycleLR) nor compounded by one
+    that multiplies the current LR (ExponentialLR); between steps each group holds the schedule's LR."""
+    model, opt, x = trained(5)
+    sched = SCHEDULES[schedule](opt)
+    shadow_opt, shadow = shadow_of(schedule)
+    action, reported = rescue_with("z_loss", model, opt, x, lr_factor=0.5, fixes=["z_loss", "logit_softcap"])
+    used: list[float] = []  # the LR each update steps with (a pre-hook after the rescue's)
+    opt.register_step_pre_hook(lambda o, args, kwargs: used.append(o.param_groups[0]["lr"]))
+    scheduled: list[float] = []
+    for step, (xb, yb) in enumerate(text_batches(12, 8, 32, seed=1)):
+        if step in (4, 8):  # two rescues (two signatures): the factor 0.5, then 0.25
+            e = event(step, "z_loss" if step == 4 else "logit_softcap")
+            e.details["advice"] = f"sig{step}"
+            action.run(e, before_update=False)
+            factor = 0.5 if step == 4 else 0.25
+            assert e.details["rescue"]["lr"] == pytest.approx([g["lr"] * factor for g in opt.param_groups])
+        scheduled.append(shadow_opt.param_groups[0]["lr"])
+        torch.nn.functional.cross_entropy(model(xb).reshape(-1, 256), yb.reshape(-1)).backward()
+        opt.step()
+        opt.zero_grad()
+        sched.step()
+        shadow_opt.step()
+        shadow.step()
+        assert opt.param_groups[0]["lr"] == shadow_opt.param_groups[0]["lr"]  # the schedule's own value
+    factors = [1.0] * 4 + [0.5] * 4 + [0.25] * 4
+    assert used == pytest.approx([s * f for s, f in zip(scheduled, factors, strict=True)], rel=1e-12)
+    assert [r.details["lr_factor"] for r in reported] == [0.5, 0.5]
+    assert action.lr is not None and action.lr.factor == 0.25
+
+
+def test_the_lr_factor_resumes_from_the_state() -> None:
+    model, opt, x = trained(5)
+    action, _ = rescue_with("z_loss", model, opt, x, lr_factor=0.5)
+    action.run(event(5, "z_loss"), before_update=False)
+    state = json.loads(json.dumps(action.state_dict(), default=str))
+    fresh = torch.optim.SGD([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    resumed, _ = rescue_with("z_loss", model, fresh, x)  # lr_factor 1 now: no hooks until the state says so
+    assert resumed.lr is not None and not resumed.lr.attached
+    resumed.load_state_dict(state)
+    assert resumed.lr.factor == 0.5 and resumed.lr.attached
+    p = fresh.param_groups[0]["params"][0]
+    p.grad = torch.ones(3)
+    fresh.step()
+    assert torch.allclose(p, torch.full((3,), 1 - 0.05)) and fresh.param_groups[0]["lr"] == 0.1
+
+
+def test_a_rescue_with_a_lambda_schedule_on_a_monitored_loop() -> None:
+    """attach + LambdaLR + an injected fault: the rescue (attn_softcap: no new parameter group, which
+    the scheduler would refuse) halves every later update's LR while the scheduler keeps its own."""
+    torch.manual_seed(0)
+    model = reference_gpt(vocab_size=256, context=32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = SCHEDULES["LambdaLR"](opt)
+    shadow_opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=1e-3)
+    shadow = SCHEDULES["LambdaLR"](shadow_opt)
+    options = {"rescue": {"lr_factor": 0.5, "fixes": ["attn_softcap"]}, "rollback": {"snapshot_every": 20}}
+    detect = stabkit.DetectConfig(actions={"attn_entropy": "rescue"}, options=options)
+    mon = stabkit.attach(
+        model, opt, config=stabkit.MonitorConfig(console=False, every=5, log_every=10, detect=detect)
+    )
+    assert "rescue: optimizer step pre-hook" in mon.describe_hooks()  # the Monitor's, removed at detach
+    used: list[float] = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: used.append(o.param_groups[0]["lr"]))
+    scheduled: list[float] = []
+    for step, (x, y) in enumerate(text_batches(130, 8, 32, seed=0)):
+        if step == 90:  # block 1's attention logits ×100: its attention turns one-hot
+            with torch.no_grad():
+                model.blocks[1].attn.q_proj.weight.mul_(10)
+                model.blocks[1].attn.k_proj.weight.mul_(10)
+        scheduled.append(shadow_opt.param_groups[0]["lr"])
+        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss)
+        sched.step()
+        shadow_opt.step()
+        shadow.step()
+        assert opt.param_groups[0]["lr"] == shadow_opt.param_groups[0]["lr"]
+    mon.detach()
+    rescues = [e for e in mon.events if e.kind == "rescue"]
+    assert len(rescues) == 1 and rescues[0].where == "attn_softcap"
+    at = rescues[0].step  # decided at Monitor.step, after that step's update
+    assert used[: at + 1] == pytest.approx(scheduled[: at + 1], rel=1e-12)
+    assert used[at + 1 :] == pytest.approx([0.5 * s for s in scheduled[at + 1 :]], rel=1e-12)

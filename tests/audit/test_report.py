@@ -1,11 +1,11 @@
-"""The Report (dict, text, Markdown), the rule registry, spec building and the `stabkit inspect` text."""
+"""The Report (dict, text, Markdown) and the rule registry (spec building and the `stabkit inspect` text:
+tests/cli/test_inspect_spec.py)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import re
-import time
 import warnings
 
 import pytest
@@ -18,9 +18,7 @@ from stabkit.audit import (
     Finding,
     Report,
     audit,
-    build_from_spec,
     describe_rules,
-    run_inspect_cli,
 )
 from stabkit.audit.format import compact_paths
 
@@ -117,36 +115,3 @@ def test_top_level_audit_is_the_function() -> None:
 
     assert isinstance(stabkit.audit(reference_gpt()), Report)
     assert importlib.import_module("stabkit.audit").RULES is RULES
-
-
-def test_build_from_spec_presets_and_hf_on_meta() -> None:
-    tiny = build_from_spec("tiny")
-    assert type(tiny).__name__ == "GPT" and tiny.config.d_model == 64
-    assert all(p.is_meta for p in tiny.parameters())
-    llama = build_from_spec("hf:llama")
-    assert type(llama).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in llama.parameters())
-    for bad in ("nope", "hf:nope", ""):
-        with pytest.raises(ValueError, match="use one of"):
-            build_from_spec(bad)
-
-
-def test_run_inspect_cli_hf_llama() -> None:
-    from transformers import LlamaConfig
-
-    start = time.perf_counter()
-    text = run_inspect_cli("hf:llama", audit=True, as_json=False)
-    print(f"run_inspect_cli('hf:llama', audit=True): {time.perf_counter() - start:.2f} s")
-    assert "model.layers.31.self_attn" in text and "attn_softmax_unguarded" in text
-    assert "model.layers.{0..31}.self_attn" in text and "KV cache (MHA" in text
-    assert "stabkit audit" not in run_inspect_cli("hf:llama", audit=False, as_json=False)
-    data = json.loads(run_inspect_cli("hf:llama", audit=True, as_json=True))
-    cfg = LlamaConfig()
-    hand = (
-        2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads) * 4
-    )
-    assert data["audit"]["memory"]["kv_cache"]["bytes_per_token"] == hand
-    assert data["model_map"]["family"] == "hf-llama"
-    assert {f["rule"] for f in data["audit"]["findings"]} == {
-        "attn_softmax_unguarded",
-        "output_softmax_unguarded",
-    }

@@ -2,21 +2,14 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from cli_process import StabkitCLI
 from click.testing import CliRunner
 
 from stabkit.cli import main
 from stabkit.sinks import LOG_NAME, read_jsonl
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "stabkit", *args], capture_output=True, text=True, timeout=300, check=False
-    )
 
 
 @pytest.mark.parametrize("spec", ["tiny", "hf:gpt2", "hf:llama"])
@@ -29,24 +22,24 @@ def test_inspect_prints_the_map(spec: str) -> None:
 
 
 @pytest.mark.multiprocess
-def test_inspect_bad_spec_exits_2_with_one_line() -> None:
-    proc = run_cli("inspect", "hf:nonsense")
+def test_inspect_bad_spec_exits_2_with_one_line(stabkit_cli: StabkitCLI) -> None:
+    proc = stabkit_cli.run("inspect", "hf:nonsense")
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and "hf:nonsense" in lines[0] and "Traceback" not in proc.stderr
 
 
 @pytest.mark.multiprocess
-def test_unknown_option_exits_2_with_one_line() -> None:
-    proc = run_cli("demo", "--steps", "zero")
+def test_unknown_option_exits_2_with_one_line(stabkit_cli: StabkitCLI) -> None:
+    proc = stabkit_cli.run("demo", "--steps", "zero")
     assert proc.returncode == 2
     assert len(proc.stderr.strip().splitlines()) == 1 and "--steps" in proc.stderr
 
 
 @pytest.mark.multiprocess
-def test_demo_trains_and_logs(tmp_path: Path) -> None:
+def test_demo_trains_and_logs(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     logdir = tmp_path / "demo"
-    proc = run_cli("demo", "--steps", "60", "--logdir", str(logdir))
+    proc = stabkit_cli.run("demo", "--steps", "60", "--logdir", str(logdir))
     assert proc.returncode == 0, proc.stderr
     assert "loss" in proc.stdout and str(logdir) in proc.stdout
     rows = [r for r in read_jsonl(logdir / LOG_NAME) if r["type"] == "metrics"]

@@ -7,40 +7,21 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import StabkitCLI
 from click.testing import CliRunner
 
 import stabkit.cli.app
-import stabkit.cli.demo_cmd
-import stabkit.cli.run_cmd
-import stabkit.cli.sweep_cmd  # registers the commands
 from stabkit.cli import main
 from stabkit.cli.run_cmd import header
 from stabkit.harness.recipes import load_recipe
 from stabkit.harness.recipes.loader import builtin_dir
 
-BOOT = (
-    "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.demo_cmd; "
-    "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
-)
-ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = builtin_dir()
 RECIPE = (BUILTIN / "attention-logit-growth.toml").read_text()
-
-
-def cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", BOOT, *args],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-        cwd=ROOT,
-    )
 
 
 def one_line_error(proc: subprocess.CompletedProcess[str], *needles: str) -> str:
@@ -61,15 +42,17 @@ def recipe_file(tmp_path: Path, old: str, new: str) -> Path:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("command", ["run", "demo"])
-def test_output_folder_that_cannot_be_created_exits_2(tmp_path: Path, command: str) -> None:
+def test_output_folder_that_cannot_be_created_exits_2(
+    tmp_path: Path, command: str, stabkit_cli: StabkitCLI
+) -> None:
     blocker = tmp_path / "a-file"
     blocker.write_text("")  # a folder cannot be made below a file, not even by root
     out = str(blocker / "out")
     if command == "run":
-        proc = cli("run", "attention-logit-growth", "--steps", "2", "--jobs", "1", "--out", out)
+        proc = stabkit_cli.run("run", "attention-logit-growth", "--steps", "2", "--jobs", "1", "--out", out)
         one_line_error(proc, "--out", out, "cannot write there")
     else:
-        proc = cli("demo", "--steps", "2", "--logdir", out)
+        proc = stabkit_cli.run("demo", "--steps", "2", "--logdir", out)
         one_line_error(proc, "--logdir", out, "cannot write there")
 
 
@@ -94,22 +77,28 @@ def test_read_only_output_folder_exits_2(
 
 
 @pytest.mark.multiprocess
-def test_missing_data_path_is_found_when_the_recipe_loads(tmp_path: Path) -> None:
+def test_missing_data_path_is_found_when_the_recipe_loads(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     path = recipe_file(tmp_path, '# [data]\n# path = "my.txt"', '[data]\npath = "nope.txt"')
     one_line_error(
-        cli("run", str(path), "--steps", "2", "--out", str(tmp_path / "o")), "data.path", "nope.txt"
+        stabkit_cli.run("run", str(path), "--steps", "2", "--out", str(tmp_path / "o")),
+        "data.path",
+        "nope.txt",
     )
     assert not (tmp_path / "o" / "summary.json").exists()  # nothing started
 
 
 @pytest.mark.multiprocess
-def test_too_short_data_is_found_when_the_recipe_loads(tmp_path: Path) -> None:
+def test_too_short_data_is_found_when_the_recipe_loads(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     (tmp_path / "short.txt").write_text("tiny text " * 20)
     path = recipe_file(tmp_path, '# [data]\n# path = "my.txt"', '[data]\npath = "short.txt"')
-    line = one_line_error(cli("run", str(path), "--steps", "2", "--out", str(tmp_path / "o")), "data.path")
+    line = one_line_error(
+        stabkit_cli.run("run", str(path), "--steps", "2", "--out", str(tmp_path / "o")), "data.path"
+    )
     assert "200 bytes" in line and "at least 1000" in line
     line = one_line_error(
-        cli("sweep", "lr-sensitivity", "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "s")),
+        stabkit_cli.run(
+            "sweep", "lr-sensitivity", "--data", str(tmp_path / "short.txt"), "--out", str(tmp_path / "s")
+        ),
         "--data",
     )
     assert "200 bytes" in line
@@ -126,9 +115,11 @@ def test_data_must_cover_the_context_of_a_larger_preset(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("value", ["0", "100000", "-3"])
-def test_batch_size_has_a_bound_with_a_clear_message(tmp_path: Path, value: str) -> None:
+def test_batch_size_has_a_bound_with_a_clear_message(
+    tmp_path: Path, value: str, stabkit_cli: StabkitCLI
+) -> None:
     path = recipe_file(tmp_path, "steps = 300\n", f"steps = 300\nbatch_size = {value}\n")
-    line = one_line_error(cli("run", str(path), "--steps", "2"), "train.batch_size", "[1, 4096]")
+    line = one_line_error(stabkit_cli.run("run", str(path), "--steps", "2"), "train.batch_size", "[1, 4096]")
     if value == "100000":
         assert "train.grad_accum" in line
 
@@ -143,9 +134,9 @@ def test_more_steps_than_the_recipe_is_a_lengthened_run() -> None:
 
 
 @pytest.mark.multiprocess
-def test_an_unknown_recipe_name_exits_2_naming_the_builtins() -> None:
+def test_an_unknown_recipe_name_exits_2_naming_the_builtins(stabkit_cli: StabkitCLI) -> None:
     line = one_line_error(
-        cli("run", "no-such-recipe"), "no-such-recipe", "attention-logit-growth", "loss-spike"
+        stabkit_cli.run("run", "no-such-recipe"), "no-such-recipe", "attention-logit-growth", "loss-spike"
     )
     assert "not found" in line
 

@@ -108,7 +108,7 @@ def test_import_stabkit_is_light_and_names_resolve_lazily() -> None:
 def test_stabkit_audit_is_the_function_whatever_was_imported_first() -> None:
     out = run_python(
         """
-        import stabkit.audit.spec          # the subpackage first
+        import stabkit.audit.findings      # the subpackage first
         import stabkit
         from stabkit.audit import Report, RULES
         from stabkit.audit.core import audit
@@ -197,7 +197,7 @@ def test_list_sections_print() -> None:
 
 
 def test_inspect_builds_small_presets_on_the_cpu() -> None:
-    from stabkit.audit.spec import inspect_device
+    from stabkit.cli.inspect_spec import inspect_device
 
     assert inspect_device("tiny") == inspect_device("small") == "cpu"
     assert inspect_device("1b") == inspect_device("hf:llama") == "meta"

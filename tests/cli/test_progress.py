@@ -6,7 +6,7 @@ from __future__ import annotations
 import io
 import json
 import os
-import time
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -75,13 +75,25 @@ def test_phase_live_line_on_a_terminal() -> None:
     assert "started" not in text
 
 
+class Redraws(Terminal):
+    """A terminal that says when a line is redrawn from another thread (the ticker's)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.by_ticker = threading.Event()
+
+    def write(self, text: str) -> int:
+        if "\r" in text and threading.current_thread().name == "stabkit-progress":
+            self.by_ticker.set()
+        return super().write(text)
+
+
 def test_phase_ticker_redraws_during_a_long_unit() -> None:
-    out = Terminal()
+    out = Redraws()
     with Phase("long", 2, stream=out) as phase:
         phase.begin("unit 1")
-        drawn = out.getvalue().count("\r")
-        time.sleep(1.3)
-        assert out.getvalue().count("\r") > drawn
+        # nothing else happens in this unit: only the ticker can redraw the line (once a second)
+        assert out.by_ticker.wait(timeout=30), "the ticker did not redraw the line"
     assert out.getvalue().endswith("\n")
 
 

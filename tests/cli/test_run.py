@@ -6,41 +6,18 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
+from cli_process import StabkitCLI, logged, wait_until
 from click.testing import CliRunner
 
-import stabkit.cli.list_cmd
-import stabkit.cli.report_cmd
-import stabkit.cli.run_cmd
-import stabkit.cli.sweep_cmd  # noqa: F401  (register the commands until stabkit.cli imports them)
 from stabkit.cli import main
 from stabkit.harness.recipes.loader import builtin_dir
 from stabkit.harness.recipes.sweep import lr_sensitivity
 from stabkit.sinks import LOG_NAME, read_jsonl
 
-BOOT = (
-    "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
-    "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
-)
-ROOT = Path(__file__).resolve().parents[2]
 BUILTIN = builtin_dir()
-
-
-def cli(*args: str, **kwargs: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-c", BOOT, *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-        cwd=ROOT,
-        **kwargs,  # type: ignore[call-overload]
-    )
 
 
 def invoke(*args: str) -> tuple[int, str]:
@@ -59,15 +36,15 @@ def invoke(*args: str) -> tuple[int, str]:
         (["list", "everything"], "interventions"),
     ],
 )
-def test_bad_input_exits_2_with_one_line(args: list[str], needle: str) -> None:
-    proc = cli(*args)
+def test_bad_input_exits_2_with_one_line(args: list[str], needle: str, stabkit_cli: StabkitCLI) -> None:
+    proc = stabkit_cli.run(*args)
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and needle in lines[0] and "Traceback" not in proc.stderr
 
 
 @pytest.mark.multiprocess
-def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path) -> None:
+def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     text = (BUILTIN / "attention-logit-growth.toml").read_text()
     (tmp_path / "a.toml").write_text(text.replace("warmup = 15", "warmpu = 15"))
     (tmp_path / "b.toml").write_text(text.replace("clip = 1.0", "clip = -1.0"))
@@ -75,7 +52,7 @@ def test_bad_recipe_key_exits_2_naming_the_key(tmp_path: Path) -> None:
         ("a", "train.warmpu", "allowed: steps"),
         ("b", "train.clip", '(0, inf) or "none"'),
     ):
-        proc = cli("run", str(tmp_path / f"{name}.toml"), "--steps", "5")
+        proc = stabkit_cli.run("run", str(tmp_path / f"{name}.toml"), "--steps", "5")
         assert proc.returncode == 2, proc.stderr
         lines = proc.stderr.strip().splitlines()
         assert len(lines) == 1 and key in lines[0] and allowed in lines[0], lines
@@ -160,16 +137,13 @@ def test_list_sections() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.signals
-def test_ctrl_c_leaves_flushed_logs_and_a_partial_summary(tmp_path: Path) -> None:
+def test_ctrl_c_leaves_flushed_logs_and_a_partial_summary(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     out = tmp_path / "int"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", BOOT, "run", "attention-logit-growth", "--steps", "3000", "--jobs", "2", "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = stabkit_cli.start(
+        "run", "attention-logit-growth", "--steps", "3000", "--jobs", "2", "--out", str(out)
+    )
     logs = [out / "baseline" / LOG_NAME, out / "qk_norm" / LOG_NAME]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all(p.is_file() and p.stat().st_size > 2000 for p in logs):
-        time.sleep(0.5)
+    wait_until(logged(*logs))
     assert proc.poll() is None, proc.communicate()
     os.kill(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
@@ -187,7 +161,7 @@ def test_ctrl_c_leaves_flushed_logs_and_a_partial_summary(tmp_path: Path) -> Non
 
 
 @pytest.mark.multiprocess
-def test_data_flag_trains_on_the_users_text(tmp_path: Path) -> None:
+def test_data_flag_trains_on_the_users_text(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     text = tmp_path / "mine.txt"
     text.write_bytes(b"the quick brown fox jumps over the lazy dog. " * 200)
     out = tmp_path / "d"
@@ -201,5 +175,5 @@ def test_data_flag_trains_on_the_users_text(tmp_path: Path) -> None:
 
     assert s["variants"]["baseline"]["bigram_loss"] == pytest.approx(bigram_loss(str(text)))
     assert s["variants"]["baseline"]["bigram_loss"] < 1.0  # a repetitive text: far below the embedded 2.317
-    missing = cli("run", "attention-logit-growth", "--data", str(tmp_path / "nope.txt"))
+    missing = stabkit_cli.run("run", "attention-logit-growth", "--data", str(tmp_path / "nope.txt"))
     assert missing.returncode == 2 and "nope.txt" in missing.stderr

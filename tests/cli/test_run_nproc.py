@@ -12,15 +12,13 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
+from cli_process import StabkitCLI, logged, wait_until
 from click.testing import CliRunner
 
 from stabkit.cli import main
@@ -28,26 +26,12 @@ from stabkit.distributed import DistContext
 from stabkit.harness.data import load_corpus
 from stabkit.harness.recipes import load_recipe, run_recipe
 from stabkit.harness.recipes.ddp import RankRows
+from stabkit.harness.recipes.run_result import RunResult
 from stabkit.harness.recipes.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
 
-ROOT = Path(__file__).resolve().parents[2]
 FIRST_STEPS = 5
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed")
-
-
-def stabkit_cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "stabkit", *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-        env=env,
-    )
 
 
 def metrics(logdir: Path) -> list[tuple[int, dict[str, float]]]:
@@ -59,11 +43,11 @@ def rel(a: float, b: float) -> float:
 
 
 @pytest.mark.multiprocess
-def test_two_processes_log_what_one_process_logs(tmp_path: Path) -> None:
+def test_two_processes_log_what_one_process_logs(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     common = ["run", "attention-logit-growth", "--size", "tiny", "--steps", "20", "--seed", "0"]
-    one = stabkit_cli(*common, "--jobs", "1", "--out", str(tmp_path / "one"))
+    one = stabkit_cli.run(*common, "--jobs", "1", "--out", str(tmp_path / "one"))
     assert one.returncode == 0, one.stderr[-3000:]
-    two = stabkit_cli(*common, "--nproc", "2", "--out", str(tmp_path / "two"))
+    two = stabkit_cli.run(*common, "--nproc", "2", "--out", str(tmp_path / "two"))
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-4000:]
 
     # rank 0 alone printed: one header, one table, one summary line
@@ -110,19 +94,12 @@ def test_nproc_bad_combinations_exit_2_with_one_line() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.signals
-def test_ctrl_c_stops_every_rank_at_the_same_step(tmp_path: Path) -> None:
+def test_ctrl_c_stops_every_rank_at_the_same_step(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     out = tmp_path / "int"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "stabkit", "run", "attention-logit-growth", "--steps", "3000"]
-    proc = subprocess.Popen(
-        [*cmd, "--nproc", "2", "--out", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    log = out / "baseline" / LOG_NAME
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.is_file() and log.stat().st_size > 2000):
-        time.sleep(0.5)
+    proc = stabkit_cli.start(
+        "run", "attention-logit-growth", "--steps", "3000", "--nproc", "2", "--out", str(out)
+    )
+    wait_until(logged(out / "baseline" / LOG_NAME))
     assert proc.poll() is None, proc.communicate()
     os.kill(proc.pid, signal.SIGINT)
     stdout, stderr = proc.communicate(timeout=120)
@@ -163,7 +140,7 @@ def test_only_rank_0_writes_the_summary(tmp_path: Path, monkeypatch: pytest.Monk
     def fake_execute(jobs: list[Job], workers: int, on_progress: Any, on_result: Any, stop: Any) -> bool:
         seen.extend((job.ddp, workers) for job in jobs)
         for job in jobs:
-            on_result(job, {"variant": job.variant, "status": "done"})
+            on_result(job, RunResult(job.variant, job.name, job.logdir, "done", role="baseline"))
         return False
 
     monkeypatch.setattr("stabkit.harness.recipes.runner.execute", fake_execute)
@@ -177,7 +154,7 @@ def test_intervention_metrics_are_logged(tmp_path: Path) -> None:
     recipe = load_recipe("output-logit-divergence", "tiny", steps=11)
     coef = recipe.variant("z_loss").interventions["z_loss"]["coef"]
     result = run_job(Job(recipe, "z_loss", str(tmp_path)))
-    assert result["status"] == "done"
+    assert result.status == "done"
     rows = metrics(tmp_path)
     assert all("logits/z_loss" in v for _, v in rows) and len(rows) == 11
     checked = 0

@@ -1,14 +1,27 @@
-"""DetectConfig validation and the advice table."""
+"""DetectConfig validation (names, each plug-in's options through its options dataclass, the flat
+settings of earlier versions) and the advice table."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectConfig, DetectorContext, Judge, advice_table, describe_advice
+from stabkit.detect_config import MOVED
+from stabkit.detectors import (
+    DetectConfig,
+    DetectorContext,
+    Judge,
+    SpikeOptions,
+    advice_table,
+    describe_advice,
+)
 from stabkit.events import Event
 from stabkit.interventions import REGISTRY
+from stabkit.plugins import ACTIONS, DETECTORS
+from stabkit.tables import RANGE
 
 
 @pytest.mark.parametrize(
@@ -17,34 +30,93 @@ from stabkit.interventions import REGISTRY
         ({"actions": {"nan": "warn"}}, "unknown kind"),
         ({"actions": {"spike": "explode"}}, "one of"),
         ({"actions": {"spike": []}}, "one of"),
-        ({"spike_window": 0}, "spike_window must be an integer >= 1"),
-        ({"spike_sigma": -1}, "spike_sigma must be a number > 0"),
-        ({"spike_factor": 0.5}, "spike_factor must be None or a number > 1"),
-        ({"spike_series": "loss"}, "sequence of metric-name globs"),
-        ({"spike_min_ratio": {"loss": 0.5}}, "numbers >= 1"),
-        ({"drift_window": 3}, "drift_window must be >= 5"),
-        ({"optimizer_check_every": -1}, "optimizer_check_every must be an integer >= 0"),
-        ({"loss_fn": 3}, "loss_fn must be None or a callable"),
+        ({"options": {"nope": {}}}, r"unknown detector\(s\) or action\(s\) \['nope'\]"),
+        ({"options": {"spike": {"window": 0}}}, "options.spike.window: must be an integer >= 1, got 0"),
+        ({"options": {"spike": {"sigma": -1}}}, r"options.spike.sigma: must be a number in \(0, inf\)"),
+        ({"options": {"spike": {"factor": 0.5}}}, r"options.spike.factor: must be a number in \(1, inf\)"),
+        ({"options": {"spike": {"series": "loss"}}}, "options.spike.series: must be an array"),
+        (
+            {"options": {"spike": {"min_ratio": {"loss": 0.5}}}},
+            r"options.spike.min_ratio.loss: .* \[1, inf\)",
+        ),
+        ({"options": {"spike": {"windw": 9}}}, "options.spike.windw: unknown key; allowed: series, window"),
+        (
+            {"options": {"drift": {"window": 3}}},
+            "options.drift.window: must be an integer >= 5, got 3; a slope",
+        ),
+        (
+            {"options": {"nonfinite": {"optimizer_check_every": -1}}},
+            "optimizer_check_every: must be an integer >= 0",
+        ),
+        ({"options": {"nonfinite": {"loss_fn": 3}}}, "options.nonfinite.loss_fn: must be a callable"),
+        ({"options": {"rollback": {"snapshots": 0}}}, "options.rollback.snapshots: must be an integer >= 1"),
     ],
 )
-def test_bad_values_are_refused_with_what_is_allowed(kwargs: dict, match: str) -> None:
+def test_bad_values_are_refused_naming_the_plugin_and_field(kwargs: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         DetectConfig(**kwargs)
+
+
+def test_every_range_is_the_bounds_metadata_of_an_options_dataclass() -> None:
+    """The one range check: each built-in plug-in that takes settings declares an options dataclass
+    whose ranged fields carry `bounds`; DetectConfig itself holds only what is no plug-in's."""
+    assert [f.name for f in dataclasses.fields(DetectConfig) if f.init] == [
+        "actions",
+        "detectors",
+        "options",
+        "sync",
+    ]
+    classes = [DETECTORS.load(k) for k in DETECTORS.names()] + [ACTIONS.load(a) for a in ACTIONS.names()]
+    declared = {c.__name__: c.options_class for c in classes if getattr(c, "options_class", None) is not None}
+    assert set(declared) >= {"SpikeDetector", "DriftDetector", "EntropyCollapseDetector", "NonfiniteDetector"}
+    assert {"Rollback", "Dump"} <= set(declared)
+    for options in declared.values():
+        ranged = [f for f in dataclasses.fields(options) if RANGE in f.metadata]
+        assert ranged or options.__name__ == "DumpOptions", options
+        assert "__post_init__" not in vars(options) or options.__name__ in (
+            "EntropyOptions",  # low < healthy: a relation, not a range
+            "SnapshotOptions",  # the snapshot device
+            "RescueOptions",  # each fix can go on mid-run (the interventions registry)
+        )
+
+
+@pytest.mark.parametrize("old", sorted(MOVED))
+def test_the_flat_settings_of_earlier_versions_name_their_new_place(old: str) -> None:
+    new = MOVED[old]
+    with pytest.raises(TypeError, match="moved") as info:
+        DetectConfig(**{old: 1})
+    if new == "detectors":
+        assert "DetectConfig(detectors=" in str(info.value)
+    else:
+        _, plugin, option = new.split(".")
+        assert f"DetectConfig(options={{{plugin!r}: {{{option!r}: ...}}}})" in str(info.value)
+        assert hasattr(DetectConfig().options_for(plugin), option)  # the new place exists
+    with pytest.raises(AttributeError, match="moved"):
+        getattr(DetectConfig(), old)
 
 
 def test_actions_are_normalised_and_decide_the_timing() -> None:
     cfg = DetectConfig(actions={"nonfinite": ["dump", "skip", "dump"]})
     assert cfg.actions == {
-        "nonfinite": ("dump", "skip"),
-        "spike": ("warn",),
-        "drift": ("warn",),
-        "amp": ("warn",),
-        "attn_entropy": ("warn",),
+        kind: ("dump", "skip") if kind == "nonfinite" else ("warn",) for kind in DETECTORS.names()
     }
     assert cfg.needs_sync("nonfinite") and not cfg.needs_sync("spike")
     assert DetectConfig(sync=True).needs_sync("nonfinite")
-    assert cfg.min_ratio("loss") == 1.5 and cfg.min_ratio("grad/blocks.3/norm") == 5.0
-    assert cfg.min_ratio("update/head/ratio") == 2.0 and cfg.min_ratio("other") == 1.0
+    spike = cfg.options_for("spike")
+    assert isinstance(spike, SpikeOptions)
+    assert spike.min_ratio_of("loss") == 1.5 and spike.min_ratio_of("grad/blocks.3/norm") == 5.0
+    assert spike.min_ratio_of("update/head/ratio") == 2.0 and spike.min_ratio_of("other") == 1.0
+
+
+def test_options_are_checked_converted_and_cached() -> None:
+    cfg = DetectConfig(options={"spike": {"window": 64, "sigma": 5, "series": ["loss"]}})
+    spike = cfg.options_for("spike")
+    assert (spike.window, spike.sigma, spike.series) == (64, 5.0, ("loss",)) and isinstance(
+        spike.sigma, float
+    )
+    assert cfg.options_for("spike") is spike and cfg.options_for("spike", SpikeOptions) is spike
+    assert cfg == DetectConfig(options={"spike": {"window": 64, "sigma": 5, "series": ["loss"]}})
+    assert cfg.options_for("drift").window == 20  # not named: the defaults
 
 
 def test_advice_uses_registry_names_and_lists_every_row() -> None:

@@ -10,14 +10,15 @@ import torch
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detectors import DetectConfig, DetectorContext, DriftDetector
+from stabkit.detectors import DetectConfig, DetectorContext, DriftDetector, DriftOptions
 
 from .helpers import text_batches
 
 
-def detector(**overrides: object) -> DriftDetector:
+def detector(**options: object) -> DriftDetector:
     model_map = stabkit.inspect_model(reference_gpt(vocab_size=256))
-    return DriftDetector(DetectorContext.from_model_map(model_map, DetectConfig(**overrides)))  # type: ignore[arg-type]
+    cfg = DetectConfig(options={"drift": options})
+    return DriftDetector(DetectorContext.from_model_map(model_map, cfg))
 
 
 def test_attention_logit_growth_warns_before_divergence() -> None:
@@ -35,7 +36,7 @@ def test_attention_logit_growth_warns_before_divergence() -> None:
     assert first_event is not None and diverged is not None
     assert first_event.step < diverged - 500  # hundreds of steps of warning
     assert first_event.kind == "drift" and first_event.value >= 50
-    expected_growth = 1.5 ** ((DetectConfig().drift_window - 1) * 10 / 100)
+    expected_growth = 1.5 ** ((DriftOptions().window - 1) * 10 / 100)
     assert abs(first_event.details["growth"] - expected_growth) < 0.05 * expected_growth
     eta = first_event.details["steps_to_1e4"]
     assert abs(first_event.step + eta - diverged) < 60  # the projection lands where the logit crosses 1e4
@@ -59,7 +60,7 @@ def test_logz_drift_away_from_log_vocab() -> None:
     assert hits[0].details["offset"] >= 10 - 1e-6  # the level: 10 nats from log V
     assert 1000 <= hits[0].step <= 1100  # |log Z − log V| passes 10 nats at step 1000
     # one event per window, not one per value
-    assert all(b.step - a.step >= 10 * (DetectConfig().drift_window - 1) for a, b in itertools.pairwise(hits))
+    assert all(b.step - a.step >= 10 * (DriftOptions().window - 1) for a, b in itertools.pairwise(hits))
 
 
 def test_residual_advice_follows_norm_placement() -> None:

@@ -57,12 +57,17 @@ def test_it_rearms_after_recovery_and_options_change_the_rule() -> None:
 
 @pytest.mark.parametrize(
     ("options", "match"),
-    [({"drop": 2.0}, "drop must be in"), ({"window": 0}, "window must be"), ({"lo": 1}, "unknown key")],
+    [
+        ({"drop": 2.0}, r"drop: must be a number in \(0, 1\)"),
+        ({"window": 0}, "window: must be an integer >= 1"),
+        ({"lo": 1}, "unknown key"),
+        ({"low": 2.0}, "need low < healthy"),
+    ],
 )
 def test_bad_options_name_the_detector(options: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match) as info:
         judge(**options)
-    assert "attn_entropy" in str(info.value)
+    assert "DetectConfig.options.attn_entropy" in str(info.value)
 
 
 def test_state_round_trips() -> None:

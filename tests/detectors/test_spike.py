@@ -46,7 +46,7 @@ def test_sigma_rule_matches_hand_computation() -> None:
 
 
 def test_min_history_downward_and_nonfinite_values_do_not_spike() -> None:
-    det = SpikeDetector(DetectorContext(DetectConfig(spike_min_history=10)))
+    det = SpikeDetector(DetectorContext(DetectConfig(options={"spike": {"min_history": 10}})))
     fill(det, "loss", [2.0] * 9)
     assert det.update(9, "loss", 100.0)[0] is None  # 9 values of history < 10
     det.update(10, "loss", 2.0)
@@ -56,7 +56,7 @@ def test_min_history_downward_and_nonfinite_values_do_not_spike() -> None:
 
 
 def test_megatron_factor_fires_when_sigma_is_too_wide() -> None:
-    cfg = DetectConfig(spike_sigma=50.0, spike_min_history=4)
+    cfg = DetectConfig(options={"spike": {"sigma": 50.0, "min_history": 4}})
     history = [1.0, 2.0, 3.0, 4.0, 5.0]  # median 3, robust σ 1.48: the 50σ line is at 77
     event = judge("loss", history, 31.0, cfg)  # ≥ 10 × 3
     assert event is not None and event.threshold == pytest.approx(30.0)
@@ -64,7 +64,7 @@ def test_megatron_factor_fires_when_sigma_is_too_wide() -> None:
 
 
 def test_spike_score_matches_direct_computation() -> None:
-    cfg = DetectConfig(score_window=200, spike_min_history=20)
+    cfg = DetectConfig(options={"spike": {"score_window": 200, "min_history": 20}})
     rng = np.random.default_rng(0)
     xs = 2.0 + 0.1 * rng.standard_normal(800)
     xs[[300, 301, 550, 700]] += [3.0, 2.0, 5.0, 0.9]

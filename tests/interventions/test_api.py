@@ -33,6 +33,8 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
     for name, spec in REGISTRY.items():
         assert name in text and spec.description in text
         assert all(f"{k}={v!r}" in text for k, v in spec.defaults.items())
+    assert "to='sandwich' {pre|post|sandwich}" in text and "cap=50.0 (a number in (0, inf))" in text
+    assert tuple(ORDER) == ("rmsnorm", "norm_placement", "qk_norm", "attn_softcap", "logit_softcap", "z_loss")
 
 
 def test_unknown_names_and_options_list_the_allowed_ones() -> None:
@@ -45,8 +47,16 @@ def test_unknown_names_and_options_list_the_allowed_ones() -> None:
         apply(model, "attn_softcap", capp=3)
     with pytest.raises(InterventionError, match=r"to must be one of \('pre', 'post', 'sandwich'\)"):
         apply(model, "norm_placement", to="middle")
-    with pytest.raises(InterventionError, match="cap must be a positive"):
-        apply(model, "logit_softcap", cap=-1)
+    with pytest.raises(
+        InterventionError, match=r"^logit_softcap: cap must be a number in \(0, inf\), got -1"
+    ):
+        apply(model, "logit_softcap", cap=-1)  # the range is the options field's metadata
+    with pytest.raises(InterventionError, match=r"^z_loss: coef must be a number in \[0, inf\), got nan"):
+        apply(model, "z_loss", coef=float("nan"))
+    with pytest.raises(
+        InterventionError, match=r"^qk_norm: eps must be a number in \(0, inf\), got 'small'; or None"
+    ):
+        apply(model, "qk_norm", eps="small")
     with pytest.raises(InterventionError, match="pass options per entry"):
         apply(model, ["qk_norm"], cap=3)
     with pytest.raises(InterventionError, match="listed more than once"):

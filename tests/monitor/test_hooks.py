@@ -22,7 +22,7 @@ ALLOWED = {
     "interventions": "interventions change the model on purpose (their Handle removes them)",
     "discovery/trace.py": "the one traced forward at discovery (removed before it returns)",
     "faults.py": "the stress-test harness's injected faults are part of the fault, not monitoring",
-    "nonfinite.py": "a tensor hook on the step's output (keeps dL/d(output)); dies with the tensor",
+    "nonfinite/guard.py": "a tensor hook on the step's output (keeps dL/d(output)); dies with the tensor",
 }
 
 

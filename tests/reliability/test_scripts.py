@@ -172,8 +172,10 @@ def test_detach_leaves_the_optimizer_as_it_found_it_and_attach_works_again() -> 
 def test_bad_config_values_and_a_per_token_loss_are_refused() -> None:
     with pytest.raises(ValueError, match="attn_every must be None or an integer"):
         stabkit.MonitorConfig(attn_every=True)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="snapshot_device must be None or a torch device"):
-        DetectConfig(snapshot_device="tpu:0")
+    with pytest.raises(
+        ValueError, match="options.rollback.snapshot_device: .*must be None or a torch device"
+    ):
+        DetectConfig(options={"rollback": {"snapshot_device": "tpu:0"}})
     with pytest.raises(ValueError, match="matches no module"):
         stabkit.attach(reference_gpt(), config=stabkit.MonitorConfig(modules="nothing.*", **QUIET))
     model = reference_gpt()

@@ -10,15 +10,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from cli_process import StabkitCLI, child_env, logged, wait_until
 
 from stabkit.sinks import LOG_NAME, read_jsonl
-
-TESTS = str(Path(__file__).resolve().parents[1])
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.signals]
 
@@ -26,7 +24,6 @@ SCRIPT = textwrap.dedent(
     """
     import os, signal, sys
     import torch
-    sys.path.insert(0, {tests!r})
     from zoo import batch, lm_loss, reference_gpt
     import stabkit
 
@@ -55,7 +52,7 @@ SCRIPT = textwrap.dedent(
         if mode == "ignore" and step == 7:
             stop = True
         if stop:
-            torch.save({{"model": model.state_dict(), "stabkit": mon.state_dict(), "step": step}}, ckpt)
+            torch.save({"model": model.state_dict(), "stabkit": mon.state_dict(), "step": step}, ckpt)
             print("checkpoint", step, flush=True)
             if mode == "os_exit":
                 os._exit(0)  # nothing runs at exit: the log must already hold the last step
@@ -71,7 +68,7 @@ def logged_steps(logdir: Path) -> list[int]:
 @pytest.mark.parametrize("mode", ["exit", "os_exit", "ignore"])
 def test_user_sigterm_handler_finishes_the_step_checkpoints_and_exits_0(tmp_path: Path, mode: str) -> None:
     script = tmp_path / "preempt.py"
-    script.write_text(SCRIPT.format(tests=TESTS))
+    script.write_text(SCRIPT)
     logdir, ckpt = tmp_path / "logs", tmp_path / "ckpt.pt"
     proc = subprocess.run(
         [sys.executable, str(script), str(logdir), str(ckpt), mode],
@@ -79,6 +76,7 @@ def test_user_sigterm_handler_finishes_the_step_checkpoints_and_exits_0(tmp_path
         text=True,
         timeout=180,
         check=False,
+        env=child_env(tests=True),  # the script imports tests/zoo.py
     )
     assert proc.returncode == 0, proc.stderr
     assert "after detach" not in proc.stderr
@@ -89,33 +87,25 @@ def test_user_sigterm_handler_finishes_the_step_checkpoints_and_exits_0(tmp_path
     assert logged_steps(logdir) == list(range(last + 1))  # the last finished step is in the log
 
 
-ROOT = Path(TESTS).parent
-BOOT = "import sys, stabkit.cli.run_cmd; from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
-
-
-def start_run(out: Path, jobs: int) -> tuple[subprocess.Popen[str], list[Path]]:
+def start_run(cli: StabkitCLI, out: Path, jobs: int) -> tuple[subprocess.Popen[str], list[Path]]:
     """`stabkit run` on a long recipe, returned once every worker has logged some steps."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", BOOT, "run", "attention-logit-growth", "--steps", "3000", "--jobs", str(jobs),
-         "--out", str(out)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    proc = cli.start(
+        "run", "attention-logit-growth", "--steps", "3000", "--jobs", str(jobs), "--out", str(out)
+    )
     logs = [out / name / LOG_NAME for name in ("baseline", "qk_norm")[:jobs]]
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not all(p.is_file() and p.stat().st_size > 2000 for p in logs):
-        time.sleep(0.5)
+    wait_until(logged(*logs))
     assert proc.poll() is None, proc.communicate()
     return proc, logs
 
 
 @pytest.mark.parametrize("jobs", [2, 1])
 def test_sigterm_to_stabkit_run_stops_every_worker_and_leaves_an_interrupted_summary(
-    tmp_path: Path, jobs: int
+    tmp_path: Path, jobs: int, stabkit_cli: StabkitCLI
 ) -> None:
     import psutil
 
     out = tmp_path / "run"
-    proc, logs = start_run(out, jobs)
+    proc, logs = start_run(stabkit_cli, out, jobs)
     children = psutil.Process(proc.pid).children(recursive=True)
     assert len(children) >= (jobs if jobs > 1 else 0)  # the training workers are running
     os.kill(proc.pid, signal.SIGTERM)
@@ -134,11 +124,11 @@ def test_sigterm_to_stabkit_run_stops_every_worker_and_leaves_an_interrupted_sum
     assert "PARTIAL: interrupted" in stdout
 
 
-def test_workers_of_a_killed_stabkit_run_stop_and_exit(tmp_path: Path) -> None:
+def test_workers_of_a_killed_stabkit_run_stop_and_exit(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     """SIGKILL cannot be caught: the workers notice their parent is gone, stop and exit."""
     import psutil
 
-    proc, logs = start_run(tmp_path / "run", 2)
+    proc, logs = start_run(stabkit_cli, tmp_path / "run", 2)
     children = psutil.Process(proc.pid).children(recursive=True)
     proc.kill()
     proc.communicate(timeout=60)
@@ -149,21 +139,14 @@ def test_workers_of_a_killed_stabkit_run_stop_and_exit(tmp_path: Path) -> None:
         assert steps and steps == list(range(len(steps)))  # each worker detached: logs flushed
 
 
-def test_sigterm_to_stabkit_run_nproc_stops_every_rank(tmp_path: Path) -> None:
+def test_sigterm_to_stabkit_run_nproc_stops_every_rank(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     import psutil
 
     out = tmp_path / "np"
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "stabkit", "run", "attention-logit-growth", "--steps", "3000", "--nproc", "2",
-         "--out", str(out)],
-        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    log = out / "baseline" / LOG_NAME
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (log.is_file() and log.stat().st_size > 2000):
-        time.sleep(0.5)
+    proc = stabkit_cli.start(
+        "run", "attention-logit-growth", "--steps", "3000", "--nproc", "2", "--out", str(out)
+    )
+    wait_until(logged(out / "baseline" / LOG_NAME))
     assert proc.poll() is None, proc.communicate()
     children = psutil.Process(proc.pid).children(recursive=True)  # torchrun and its ranks
     os.kill(proc.pid, signal.SIGTERM)

@@ -10,17 +10,23 @@ Module names are stable (discovery and interventions rely on them):
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...discovery.families import STABKIT_GPT
 from .config import GPTConfig
 from .layers import MLP, Attention, make_norm, softcap
 
 
 class Block(nn.Module):
     """One Transformer block; its wiring follows `cfg.norm_placement`."""
+
+    stabkit_family: ClassVar[str] = STABKIT_GPT
+    """Declares the family to stabkit (`stabkit.discovery.families`): discovery reads the norm
+    placement from ``placement``, ``norm1``/``norm2`` and the sandwich's ``post_norm1``/``post_norm2``."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

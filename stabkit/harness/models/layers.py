@@ -6,11 +6,13 @@ These run inside the model's forward pass; they are plain modules with no stabki
 from __future__ import annotations
 
 import contextlib
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...discovery.families import STABKIT_GPT
 from ...layers import RMSNorm
 from .config import GPTConfig
 
@@ -50,6 +52,10 @@ class Attention(nn.Module):
     Two paths: fused SDPA (``cfg.attention = "sdpa"``), or eager attention (`eager_attention`:
     logits materialised, masked, softmaxed) for ``"eager"``, a soft cap or an fp32 softmax.
     """
+
+    stabkit_family: ClassVar[str] = STABKIT_GPT
+    """Declares the family to stabkit (`stabkit.discovery.families`): the interventions fill the
+    ``q_norm``/``k_norm`` slots and read ``softcap``, without importing this class."""
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()

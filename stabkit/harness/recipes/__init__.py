@@ -1,7 +1,8 @@
 """Stress-test recipes: make an instability happen on purpose, then show which intervention fixes it.
 
 ``load_recipe("attention-logit-growth", "tiny")`` reads and validates a built-in recipe
-(``builtin/<name>.toml``, package data) or any recipe file;
+(``recipes/<name>.toml`` at the top of the repository, in the wheel as the
+``stabkit.harness.recipes.builtin`` package data) or any recipe file;
 ``run_recipe(recipe, "runs/x", workers=2)`` trains the baseline and every variant side by side and
 judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
 

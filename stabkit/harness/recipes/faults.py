@@ -1,4 +1,4 @@
-"""Faults injected on purpose (nan-injection, loss-spike) and autocast for low-precision recipes.
+"""Faults injected on purpose (nan-injection, loss-spike).
 
 Installed on a variant's model or corpus before training starts; they act at the known step only.
 `StepClock` is advanced by the runner after each completed step, so a detector that replays a step
@@ -15,8 +15,6 @@ from torch.utils.hooks import RemovableHandle
 
 from ..data import ByteCorpus
 from .schema import FaultSpec
-
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class StepClock:
@@ -80,25 +78,3 @@ class FaultyCorpus:
             return x, y
         windows = torch.randint(0, 256, (batch_size, context + 1), generator=self.noise)  # (B, T+1)
         return windows[:, :-1], windows[:, 1:]
-
-
-def autocast_forward(model: nn.Module, precision: str, device: torch.device) -> list[RemovableHandle]:
-    """Run `model`'s forward under autocast to `precision` (bf16 / fp16) by a pre-hook and a hook on
-    the model itself; the backward runs outside autocast, as in a usual AMP loop. fp32: nothing."""
-    if precision == "fp32":
-        return []
-    dtype = DTYPES[precision]
-    if not torch.amp.is_autocast_available(device.type):
-        raise ValueError(f"train.precision = {precision!r}: autocast is not available on {device.type}")
-    stack: list[torch.autocast] = []
-
-    def enter(mod: nn.Module, args: Any) -> None:
-        ctx = torch.autocast(device.type, dtype=dtype)
-        ctx.__enter__()
-        stack.append(ctx)
-
-    def leave(mod: nn.Module, args: Any, output: Any) -> None:
-        if stack:
-            stack.pop().__exit__(None, None, None)
-
-    return [model.register_forward_pre_hook(enter), model.register_forward_hook(leave, always_call=True)]

@@ -1,8 +1,10 @@
 """Find a recipe file, read its TOML, merge the chosen size's table over it, and parse it.
 
 Runs once, when a command starts. A recipe is named by a path (``my-recipe.toml``) or by its bare
-name (``loss-spike``), looked up in ``./recipes`` and among the built-ins, which ship inside the
-package (``stabkit/harness/recipes/builtin``, so a wheel install has them).
+name (``loss-spike``), looked up in ``./recipes`` and among the built-ins. The built-ins have one
+copy, the repository's top-level ``recipes/`` folder: a source checkout or an editable install
+reads it in place; a wheel ships it as package data (``stabkit/harness/recipes/builtin``, mapped
+to ``recipes/`` in pyproject.toml), so a wheel install finds them by name from any folder too.
 """
 
 from __future__ import annotations
@@ -27,14 +29,30 @@ else:  # pragma: no cover - Python 3.10
 
 BUILTIN_PACKAGE = "stabkit.harness.recipes"
 BUILTIN_FOLDER = "builtin"
-"""The built-in recipes ship as package data: ``stabkit/harness/recipes/builtin/*.toml``."""
+"""In a wheel the built-in recipes are package data, ``stabkit/harness/recipes/builtin/*.toml``
+(pyproject.toml maps the data package ``stabkit.harness.recipes.builtin`` to ``recipes/``)."""
+SOURCE_FOLDER = "recipes"
+"""The built-ins' one copy: the ``recipes/`` folder at the top of the repository (beside
+pyproject.toml), read in place by a source checkout or an editable install."""
 USER_FOLDER = "recipes"
 """A ``./recipes`` folder in the working directory: recipes found there by bare name come first."""
 
 
 def builtin_dir() -> Path:
-    """The folder of the built-in recipes (package data, so a wheel install has them too)."""
-    return Path(str(resources.files(BUILTIN_PACKAGE).joinpath(BUILTIN_FOLDER)))
+    """The folder of the built-in recipes: the wheel's package data, else the checkout's ``recipes/``."""
+    shipped = Path(str(resources.files(BUILTIN_PACKAGE).joinpath(BUILTIN_FOLDER)))
+    return pick_builtin_dir(shipped, Path(__file__).resolve().parents[3])
+
+
+def pick_builtin_dir(shipped: Path, root: Path) -> Path:
+    """`shipped` (a wheel install's package data) where it exists; else ``<root>/recipes`` where `root`
+    is a source checkout (it holds pyproject.toml); else `shipped` (then no built-in is found)."""
+    if shipped.is_dir():
+        return shipped
+    source = root / SOURCE_FOLDER
+    if (root / "pyproject.toml").is_file() and source.is_dir():
+        return source
+    return shipped
 
 
 def builtin_recipes() -> dict[str, Path]:
@@ -54,8 +72,8 @@ def recipe_dirs() -> list[Path]:
 def find_recipe(spec: str | Path) -> Path:
     """The recipe file for a path or a bare name (``./recipes/<name>.toml``, else a built-in).
 
-    A path that does not exist but reads like an old command (``recipes/<name>.toml``, from before
-    the built-ins moved into the package) names the built-in of that name. Otherwise
+    A path that does not exist but reads like an old command (``recipes/<name>.toml``, the
+    repository's folder, run from another folder) names the built-in of that name. Otherwise
     FileNotFoundError, one line, with the names that exist.
     """
     path = Path(spec)

@@ -1,7 +1,8 @@
-"""The numbers a variant is judged by: held-out loss and log Z, a bigram reference, and aggregates
-of the monitored series.
+"""The numbers a variant is judged by, beside its held-out loss (`stabkit.harness.training.evaluate`,
+in the run's precision): a bigram reference, smoothed and tail losses, and aggregates of the
+monitored series.
 
-Called in the worker process before and after a variant trains.
+Called in the worker process once a variant has ended, and by `stabkit report` on a log.
 """
 
 from __future__ import annotations
@@ -13,13 +14,8 @@ from functools import lru_cache
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from ..data import ByteCorpus, load_corpus
-
-EVAL_SEED = 1234
-"""Seed of the held-out batches: every variant and every evaluation sees the same ones."""
+from ..data import load_corpus
 
 
 @lru_cache(maxsize=4)
@@ -34,33 +30,6 @@ def bigram_loss(data: str | None) -> float:
     )
     probs = (counts + 0.1) / (counts + 0.1).sum(1, keepdim=True)
     return float(-probs[val[:-1], val[1:]].log().mean())
-
-
-@torch.no_grad()
-def heldout(
-    model: nn.Module, corpus: ByteCorpus, batches: int, batch_size: int, context: int, device: torch.device
-) -> dict[str, float]:
-    """Mean held-out loss, mean log Z, mean |log Z| and mean output logit (over the vocabulary and
-    positions) over `batches` fixed validation batches."""
-    was_training = model.training
-    model.eval()
-    gen = torch.Generator().manual_seed(EVAL_SEED)
-    loss = logz = abs_logz = mean_logit = 0.0
-    for _ in range(batches):
-        x, y = corpus.batch("val", batch_size, context, gen)
-        logits = model(x.to(device)).float()  # (B, T, V)
-        lse = torch.logsumexp(logits, dim=-1)  # (B, T)
-        loss += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.to(device).reshape(-1)))
-        logz += float(lse.mean())
-        abs_logz += float(lse.abs().mean())
-        mean_logit += float(logits.mean())
-    model.train(was_training)
-    return {
-        "val_loss": loss / batches,
-        "mean_logz": logz / batches,
-        "mean_abs_logz": abs_logz / batches,
-        "mean_logit": mean_logit / batches,
-    }
 
 
 def best_smoothed(losses: list[float]) -> float:

@@ -23,10 +23,10 @@ from typing import Any
 import torch
 
 from .job import Job, Progress
+from .run_result import FAILED, INTERRUPTED, NOT_RUN, RunResult, Status
 from .worker import run_job
 
 STOP_GRACE_S = 60.0
-Result = dict[str, Any]
 
 _queue: Any = None
 _stop: Any = None
@@ -47,26 +47,23 @@ def _should_stop() -> bool:
     return bool(_stop.is_set()) or os.getppid() != _parent
 
 
-def _work(job: Job) -> Result:
+def _work(job: Job) -> RunResult:
     result = run_job(job, progress=lambda *msg: _queue.put(msg), should_stop=_should_stop)
     if os.getppid() != _parent:  # orphaned: nobody takes the result or sends the next job
         os._exit(1)  # the monitor is detached and its logs flushed already
     return result
 
 
-def not_run(job: Job, status: str = "not run", error: str = "") -> Result:
+def not_run(job: Job, status: Status = NOT_RUN, error: str = "") -> RunResult:
     """The result of a job that never ran (cancelled) or whose process died."""
-    out: Result = {"variant": job.variant, "run": job.name, "status": status, "logdir": job.logdir}
-    if error:
-        out["error"] = error
-    return out
+    return RunResult.not_run(job.variant, job.name, job.logdir, status, error)
 
 
 def execute(
     jobs: Sequence[Job],
     workers: int,
     on_progress: Progress | None = None,
-    on_result: Callable[[Job, Result], None] | None = None,
+    on_result: Callable[[Job, RunResult], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
 ) -> bool:
     """Run `jobs` with `workers` processes (1: in this process); returns True when interrupted.
@@ -89,7 +86,7 @@ def execute(
         initializer=_init_worker,
         initargs=(queue, stop, os.getpid()),
     )
-    futures: dict[Future[Result], Job] = {executor.submit(_work, job): job for job in jobs}
+    futures: dict[Future[RunResult], Job] = {executor.submit(_work, job): job for job in jobs}
     pending = set(futures)
     deadline = None
 
@@ -120,20 +117,20 @@ def execute(
             for proc in list(getattr(executor, "_processes", {}).values()):  # no public API for this
                 proc.terminate()
             for f in pending:
-                deliver(futures[f], not_run(futures[f], "interrupted", "worker ended before it reported"))
+                deliver(futures[f], not_run(futures[f], INTERRUPTED, "worker ended before it reported"))
         executor.shutdown(wait=True, cancel_futures=True)
         _drain(queue, report)
     return interrupted
 
 
 def _poll(
-    pending: set[Future[Result]],
-    futures: dict[Future[Result], Job],
+    pending: set[Future[RunResult]],
+    futures: dict[Future[RunResult], Job],
     queue: Any,
     report: Progress,
-    deliver: Callable[[Job, Result], None],
+    deliver: Callable[[Job, RunResult], None],
     stopping: bool = False,
-) -> set[Future[Result]]:
+) -> set[Future[RunResult]]:
     done, still = wait(pending, timeout=0.1, return_when=FIRST_COMPLETED)
     _drain(queue, report)
     for f in done:
@@ -143,7 +140,7 @@ def _poll(
         try:
             deliver(job, f.result())
         except Exception as exc:  # the worker process died (BrokenProcessPool) or could not unpickle
-            status = "interrupted" if stopping else "failed"  # stopping: e.g. SIGTERM to the group
+            status = INTERRUPTED if stopping else FAILED  # stopping: e.g. SIGTERM to the group
             deliver(job, not_run(job, status, f"{type(exc).__name__}: {exc}"))
     return still
 
@@ -160,13 +157,13 @@ def _drain(queue: Any, report: Progress) -> None:
 def _in_process(
     jobs: Sequence[Job],
     report: Progress,
-    deliver: Callable[[Job, Result], None],
+    deliver: Callable[[Job, RunResult], None],
     should_stop: Callable[[], bool] | None,
 ) -> bool:
     for i, job in enumerate(jobs):
         result = run_job(job, progress=report, should_stop=should_stop)
         deliver(job, result)
-        if result["status"] == "interrupted":
+        if result.status == INTERRUPTED:
             for rest in jobs[i + 1 :]:
                 deliver(rest, not_run(rest))
             return True

@@ -5,7 +5,7 @@ A ``[variants.<name>]`` table with ``role = "rescue"`` (the default role of a va
 with the detect action ``rescue`` (`stabkit.actions.rescue`) added for every event kind whose advice
 can name a fix that goes on mid-run (`rescue_kinds`: non-finite values in attention or at the
 output, drift of the attention logits or of log Z, attention-entropy collapse). Its own ``detect``
-table goes over the baseline's (e.g. ``snapshot_every``, ``options.rescue.lr_factor``).
+table goes over the baseline's (e.g. ``options.rollback.snapshot_every``, ``options.rescue.lr_factor``).
 
 `rescue_quantities` reads what happened from the run's events (kind ``rescue``): each rescue's step,
 fix, restored step and steps lost, or the failure; `stabkit.harness.recipes.verdict.judge` turns

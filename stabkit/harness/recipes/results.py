@@ -1,5 +1,5 @@
-"""What a variant's run amounts to: its table quantities from the losses, the monitor's history and
-events, and whether the detectors caught the recipe's fault.
+"""What a variant's run amounts to (`Measures`): its table quantities from the losses, the monitor's
+history and events, and whether the detectors caught the recipe's fault.
 
 Called by the worker once a variant has ended (done, failed or interrupted), on every rank of a
 data-parallel job alike (the monitor's history and the recorded losses are the agreed values).
@@ -14,47 +14,48 @@ from ...monitor import Monitor
 from .job import Job
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
 from .rescue import rescue_quantities
+from .run_result import Measures, RunResult
 from .schema import FaultSpec
 
-FINISHED = ("done", "stopped")
-"""Statuses of a run that ended on its own terms and is measured: it trained every step, or stabkit
-stopped it on purpose (`stabkit.InstabilityError`: the action 'raise', a failed rescue)."""
 
-
-def finish(job: Job, result: dict[str, Any], losses: list[float], mon: Monitor | None) -> dict[str, Any]:
+def finish(job: Job, result: RunResult, losses: list[float], mon: Monitor | None) -> Measures:
     """Quantities of a (possibly partial) run from its losses, monitor history and events."""
     recipe = job.recipe
     history = list(mon.history) if mon is not None else []
     events = [e.to_dict() for e in mon.events] if mon is not None else []
-    out: dict[str, Any] = {"steps_done": len(losses), **monitored(history)}
-    out["initial_loss"] = losses[0] if losses else math.nan
-    out["final_loss"] = tail_mean(losses)
-    out["best_loss"] = best_smoothed(losses)
-    out["nonfinite_steps"] = sum(1 for v in losses if not math.isfinite(v))
-    out["first_nonfinite_step"] = next((i for i, v in enumerate(losses) if not math.isfinite(v)), math.nan)
-    out["bigram_loss"] = bigram_loss(recipe.data)
-    val = result.get("val_loss", math.nan)
-    done = result["status"] in FINISHED
-    out["diverged"] = float(not math.isfinite(val) or val >= out["bigram_loss"]) if done else math.nan
-    out["events"] = len(events)
+    top = monitored(history)
+    bigram = bigram_loss(recipe.data)
+    val = result.val_loss
     kinds: dict[str, int] = {}
     for e in events:
         kinds[e["kind"]] = kinds.get(e["kind"], 0) + 1
-    out.update({f"events/{k}": n for k, n in kinds.items()})
-    out["event_list"] = events[:50]
-    if job.recipe.variant(job.variant).role == "rescue" or "events/rescue" in out:
-        out.update(rescue_quantities(events))
-    out["first_event_step"] = events[0]["step"] if events else math.nan
-    out["first_event_kind"] = events[0]["kind"] if events else ""
-    fault = recipe.fault
-    if fault is not None:
-        out.update(fault_quantities(fault, events, losses))
-    if "depth" in result:
-        out["depth_grad_ratio"] = result["depth"]["depth_grad_ratio"]
-    out["aggregates"] = {
-        f"{agg}({pattern})": aggregate(history, pattern, agg)[0] for agg, pattern in job.history_checks
-    }
-    return out
+    rescue = None
+    if job.recipe.variant(job.variant).role == "rescue" or "rescue" in kinds:
+        rescue = rescue_quantities(events)
+    return Measures(
+        max_attn_logit=top["max_attn_logit"],
+        max_attn_logit_at=top["max_attn_logit_at"],
+        max_attn_logit_capped=top["max_attn_logit_capped"],
+        max_logz=top["max_logz"],
+        initial_loss=losses[0] if losses else math.nan,
+        final_loss=tail_mean(losses),
+        best_loss=best_smoothed(losses),
+        nonfinite_steps=sum(1 for v in losses if not math.isfinite(v)),
+        first_nonfinite_step=next((i for i, v in enumerate(losses) if not math.isfinite(v)), math.nan),
+        bigram_loss=bigram,
+        diverged=float(not math.isfinite(val) or val >= bigram) if result.finished else math.nan,
+        events=len(events),
+        event_counts=kinds,
+        event_list=events[:50],
+        first_event_step=events[0]["step"] if events else math.nan,
+        first_event_kind=events[0]["kind"] if events else "",
+        aggregates={
+            f"{agg}({pattern})": aggregate(history, pattern, agg)[0] for agg, pattern in job.history_checks
+        },
+        rescue=rescue,
+        fault=fault_quantities(recipe.fault, events, losses) if recipe.fault is not None else None,
+        depth_grad_ratio=result.depth["depth_grad_ratio"] if result.depth is not None else None,
+    )
 
 
 def fault_quantities(fault: FaultSpec, events: list[dict[str, Any]], losses: list[float]) -> dict[str, float]:

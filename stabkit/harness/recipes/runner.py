@@ -28,7 +28,7 @@ from .checks import Check
 from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
-from .results import FINISHED
+from .run_result import RunResult
 from .signals import SigtermStop
 from .summary import Summary
 from .verdict import judge
@@ -170,8 +170,11 @@ def run_recipe(
     )
     save()
 
-    def on_result(job: Job, result: dict[str, Any]) -> None:
-        summary.variants[job.variant] = result
+    results: dict[str, RunResult] = {}
+
+    def on_result(job: Job, result: RunResult) -> None:
+        results[job.variant] = result
+        summary.variants[job.variant] = result.to_dict()
         summary.verdicts = verdicts(recipe, summary.variants)
         summary.seconds = time.perf_counter() - started
         save()
@@ -185,9 +188,7 @@ def run_recipe(
     summary.interrupted = interrupted or term.hit
     if term.hit:
         summary.stopped_by = "SIGTERM"
-    summary.complete = not summary.interrupted and all(
-        r.get("status") in FINISHED for r in summary.variants.values()
-    )
+    summary.complete = not summary.interrupted and all(r.finished for r in results.values())
     summary.verdicts = verdicts(recipe, summary.variants)
     summary.seconds = time.perf_counter() - started
     save()

@@ -28,6 +28,7 @@ from typing import Any
 from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe
+from .run_result import DONE, RunResult
 from .runner import clear_previous_logs, describe, history_checks, write_json
 from .signals import SigtermStop
 from .summary import Summary
@@ -61,23 +62,27 @@ def run_dir(out: Path, variant: str, lr: float) -> Path:
     return out / variant / f"lr_{lr:.0e}"
 
 
+RUN_ROW = ("status", "val_loss", "max_attn_logit", "diverged", "logdir")
+"""What the sweep's table keeps of each run (from its summary entry, `RunResult.to_dict`)."""
+
+
 def tabulate(
-    recipe: Recipe, lrs: Sequence[float], runs: dict[str, dict[float, dict[str, Any]]]
+    recipe: Recipe, lrs: Sequence[float], runs: dict[str, dict[float, RunResult]]
 ) -> dict[str, dict[str, Any]]:
     """Per variant: the losses and max logits per LR, ℓ₀, and the sensitivities (ℓ* over all variants)."""
     finite = [
-        r["val_loss"]
+        r.val_loss
         for rs in runs.values()
         for r in rs.values()
-        if r.get("status") == "done" and math.isfinite(r.get("val_loss", math.nan))
+        if r.status == DONE and math.isfinite(r.val_loss)
     ]
     best = min(finite) if finite else math.nan
     lo, hi = recipe.sweep.high
     out: dict[str, dict[str, Any]] = {}
     for name, by_lr in runs.items():
-        done = {lr: r for lr, r in by_lr.items() if r.get("status") == "done"}
-        losses = {lr: r["val_loss"] for lr, r in done.items()}
-        inits = [r["init_val_loss"] for r in done.values() if "init_val_loss" in r]
+        done = {lr: r for lr, r in by_lr.items() if r.status == DONE}
+        losses = {lr: r.val_loss for lr, r in done.items()}
+        inits = [r.init_val_loss for r in done.values() if r.init_val_loss is not None]
         init = sum(inits) / len(inits) if inits else math.nan
         complete = len(done) == len(lrs)
         out[name] = {
@@ -87,12 +92,7 @@ def tabulate(
             "best_grid_loss": min(losses.values()) if losses else math.nan,
             "lr_sensitivity": lr_sensitivity(losses, init, best) if complete else math.nan,
             "lr_sensitivity_high": lr_sensitivity(losses, init, best, lo, hi) if complete else math.nan,
-            "runs": {
-                f"{lr:g}": {
-                    k: r.get(k) for k in ("status", "val_loss", "max_attn_logit", "diverged", "logdir")
-                }
-                for lr, r in sorted(by_lr.items())
-            },
+            "runs": {f"{lr:g}": r.pick(RUN_ROW) for lr, r in sorted(by_lr.items())},
         }
     return out
 
@@ -128,7 +128,7 @@ def run_sweep(
         for v in variants
     ]
     clear_previous_logs(jobs)
-    runs: dict[str, dict[float, dict[str, Any]]] = {v.name: {} for v in variants}
+    runs: dict[str, dict[float, RunResult]] = {v.name: {} for v in variants}
     started = time.perf_counter()
     summary = Summary(
         kind="sweep",
@@ -146,10 +146,10 @@ def run_sweep(
         summary.seconds = time.perf_counter() - started
         write_json(out / SWEEP, summary.to_dict())
 
-    def on_result(job: Job, result: dict[str, Any]) -> None:
+    def on_result(job: Job, result: RunResult) -> None:
         assert job.lr is not None
         runs[job.variant][job.lr] = result
-        if result.get("status") == "done":
+        if result.status == DONE:
             write_hparams(Path(job.logdir), job.variant, job.lr, result)
         refresh()
         if on_update is not None:
@@ -178,13 +178,14 @@ def sweep_verdicts(recipe: Recipe, table: dict[str, dict[str, Any]]) -> dict[str
     return {n: v.to_dict() for n, v in verdicts.items()}
 
 
-def write_hparams(logdir: Path, variant: str, lr: float, result: dict[str, Any]) -> None:
+def write_hparams(logdir: Path, variant: str, lr: float, result: RunResult) -> None:
     """TensorBoard hparams of one run (variant, LR -> final losses and max logit) in its own folder."""
     from torch.utils.tensorboard import SummaryWriter
     from torch.utils.tensorboard.summary import hparams
 
+    entry = result.to_dict()
     metrics = {
-        f"hparam/{k}": float(result.get(k, math.nan)) for k in ("val_loss", "final_loss", "max_attn_logit")
+        f"hparam/{k}": float(entry.get(k, math.nan)) for k in ("val_loss", "final_loss", "max_attn_logit")
     }
     metrics = {k: v for k, v in metrics.items() if math.isfinite(v)}
     exp, ssi, sei = hparams({"variant": variant, "lr": lr}, metrics)

@@ -22,6 +22,7 @@ from typing import Any
 from .job import Job, Progress
 from .pool import execute
 from .recipe import Recipe, VariantSpec
+from .run_result import RunResult
 from .runner import clear_previous_logs, history_checks, write_json
 from .scaling import (
     THRESHOLD,
@@ -205,12 +206,12 @@ def run_widths(
         report.seconds = time.perf_counter() - started
         write_json(out / SCALE, report.to_dict())
 
-    def on_result(job: Job, result: dict[str, Any]) -> None:
+    def on_result(job: Job, result: RunResult) -> None:
         report.runs[job.run] = {
             "width": job.recipe.model.d_model,
             "variant": job.variant,
             "lr": job.lr,
-            **{k: result.get(k) for k in ("status", "max_attn_logit", "val_loss", "diverged", "logdir")},
+            **result.pick(("status", "max_attn_logit", "val_loss", "diverged", "logdir")),
         }
         save()
         if on_update is not None:

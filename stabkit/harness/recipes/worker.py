@@ -1,21 +1,22 @@
 """One variant of a recipe, trained and measured in one process (a pool worker or the CLI itself),
 or on every rank of a torchrun job at once (`Job.ddp`, see `ddp.py`).
 
-`run_job` is four named steps: `build` (the recipe's GPT with the recipe's seed, so every variant
-starts from the same weights; the variant's interventions applied before the optimizer is built,
-so new gains train, and before any DDP wrap; the recipe's fault injected; autocast), `watch` (the
-optimizer and a monitor attached to it, logdir ``<out>/<variant>``, with the variant's detectors),
-`train_variant` (the loop, stepping the monitor and recording the interventions' own metrics, e.g.
-``logits/z_loss``, after each optimizer step), and `measure` (held-out loss before and after, and
-the quantities the verdicts read, `results.finish`). The interventions are applied here, not by
-``attach(..., interventions=)``, because the monitor removes those at detach, and the held-out loss
-after training must be measured on the model as trained. Progress goes to an optional callback; a
-set stop flag (or Ctrl-C) ends training at the next step with the logs flushed and a result whose
-status is "interrupted". A `stabkit.InstabilityError` (stabkit stopped training on purpose: the
-action 'raise', or a rescue that failed) becomes status "stopped" with the event that stopped it
-(``stopped``: step, kind, message) and the held-out loss of the model as it was then. Other
-exceptions become status "failed" (traceback in ``<logdir>/error.txt``), so one broken variant
-never loses the others.
+`run_job` fills one `RunResult` in four named steps: `build` (the recipe's GPT with the recipe's
+seed, so every variant starts from the same weights; the variant's interventions applied before the
+optimizer is built, so new gains train, and before any DDP wrap; the recipe's fault injected; the
+loop's `TrainRun`: optimizer and precision), `watch` (a monitor attached to the model and the
+optimizer, and to the GradScaler of an fp16 run that has one, logdir ``<out>/<variant>``, with the
+variant's detectors), `train_variant` (the loop, stepping the monitor and recording the
+interventions' own metrics, e.g. ``logits/z_loss``, after each optimizer step), and the measures
+(`heldout` before and after, in the run's precision, and the quantities the verdicts read,
+`results.finish`). The interventions are applied here, not by ``attach(..., interventions=)``,
+because the monitor removes those at detach, and the held-out loss after training must be measured
+on the model as trained. Progress goes to an optional callback; a set stop flag (or Ctrl-C) ends
+training at the next step with the logs flushed and a result whose status is "interrupted". A
+`stabkit.InstabilityError` (stabkit stopped training on purpose: the action 'raise', or a rescue
+that failed) becomes status "stopped" with the event that stopped it (``stopped``: step, kind,
+message) and the held-out loss of the model as it was then. Other exceptions become status
+"failed" (traceback in ``<logdir>/error.txt``), so one broken variant never loses the others.
 """
 
 from __future__ import annotations
@@ -38,16 +39,16 @@ from ...interventions import Handle
 from ...monitor import Monitor, attach
 from ..data import load_corpus
 from ..models import GPT, GPTConfig
-from ..training import TrainConfig, make_optimizer, train
+from ..training import Callbacks, Heldout, TrainConfig, TrainRun, evaluate, train
 from . import ddp as ddp_mod
 from .depth import depth_sweep
-from .faults import FaultyCorpus, StepClock, autocast_forward, inject_output_fault
+from .faults import FaultyCorpus, StepClock, inject_output_fault
 from .job import Job, Progress
-from .measures import heldout
 from .recipe import Recipe, VariantSpec
 from .results import finish
+from .run_result import DONE, FAILED, INTERRUPTED, STOPPED, RunResult
 
-__all__ = ["Job", "Progress", "Stop", "run_job"]
+__all__ = ["Job", "Progress", "RunResult", "Stop", "run_job"]
 
 
 class Stop(KeyboardInterrupt):
@@ -59,41 +60,39 @@ class Built:
     """A variant ready to train (`build`)."""
 
     model: nn.Module
-    """The recipe's GPT with the variant's interventions, fault and autocast (measured as is)."""
-    net: nn.Module
-    """What trains: `model`, or its DDP wrap."""
+    """The recipe's GPT with the variant's interventions and fault (measured as is)."""
     handle: Handle | None
     """The interventions' handle (their metrics are logged each step)."""
     corpus: Any
     """The variant's corpus (with a bad-batch fault when the recipe has one)."""
-    train_corpus: Any
-    """What the loop draws from: `corpus`, or this rank's rows of it."""
-    config: TrainConfig
-    """The variant's training settings (a sweep's LR applied)."""
+    trainer: TrainRun
+    """What the loop trains: `model` or its DDP wrap, on `corpus` or this rank's rows of it, with the
+    variant's training settings (a sweep's LR applied), its optimizer and precision."""
     clock: StepClock
     ctx: DistContext | None
     notes: list[str] = field(default_factory=list)
 
+    @property
+    def config(self) -> TrainConfig:
+        return self.trainer.config
 
-def new_result(job: Job, variant: VariantSpec, config: TrainConfig) -> dict[str, Any]:
+
+def new_result(job: Job, variant: VariantSpec, config: TrainConfig) -> RunResult:
     """The result of a job that has not trained yet."""
-    return {
-        "variant": variant.name,
-        "run": job.name,
-        "role": variant.role,
-        "interventions": variant.interventions,
-        "lr": config.lr,
-        "steps": config.steps,
-        "steps_done": 0,
-        "logdir": job.logdir,
-        "status": "running",
-        "notes": [],
-    }
+    return RunResult(
+        variant.name,
+        job.name,
+        job.logdir,
+        role=variant.role,
+        interventions=variant.interventions,
+        lr=config.lr,
+        steps=config.steps,
+    )
 
 
 def run_job(
     job: Job, progress: Progress | None = None, should_stop: Callable[[], bool] | None = None
-) -> dict[str, Any]:
+) -> RunResult:
     """Train and measure one variant; never raises except for programming errors in the caller."""
     start = time.perf_counter()
     recipe, variant = job.recipe, job.recipe.variant(job.variant)
@@ -109,22 +108,23 @@ def run_job(
         ctx = ddp_mod.rank_context() if job.ddp else None
         device = torch.device(job.device)
         if recipe.depth is not None:
-            result["depth"] = measure_depth(recipe, variant, config, device)
+            result.depth = measure_depth(recipe, variant, config, device)
         run = build(recipe, variant, config, device, ctx)
-        result["notes"] += run.notes
-        result["init_val_loss"] = evaluate(recipe, run, device)["val_loss"]
-        opt, monitor = watch(job, run)
+        result.notes += run.notes
+        result.init_val_loss = heldout(recipe, run).val_loss
+        monitor = watch(job, run)
         if config.eval_every:
-            result["val_curve"] = [[0, result["init_val_loss"]]]
-        train_variant(job, run, opt, monitor, losses, report, should_stop, device, result.get("val_curve"))
-        result.update(evaluate(recipe, run, device))
-        if config.eval_every:
-            result["val_curve"].append([len(losses), result["val_loss"]])
-        if isinstance(run.train_corpus, ddp_mod.RankRows):  # rows this rank trained on per micro-batch
-            result["rows_per_process"] = run.train_corpus.drawn / max(1, len(losses) * config.grad_accum)
-        result["status"] = "done"
+            result.val_curve = [[0, result.init_val_loss]]
+        train_variant(job, run, monitor, losses, report, should_stop, result.val_curve)
+        result.heldout = heldout(recipe, run)
+        if result.val_curve is not None:
+            result.val_curve.append([len(losses), result.heldout.val_loss])
+        rows = run.trainer.corpus
+        if isinstance(rows, ddp_mod.RankRows):  # rows this rank trained on per micro-batch
+            result.rows_per_process = rows.drawn / max(1, len(losses) * config.grad_accum)
+        result.status = DONE
     except KeyboardInterrupt:
-        result["status"] = "interrupted"
+        result.status = INTERRUPTED
     except InstabilityError as exc:
         record_stop(recipe, run, result, exc)
     except Exception as exc:
@@ -132,9 +132,10 @@ def run_job(
     finally:
         if monitor is not None:
             monitor.detach()  # flushes the logs also when training was interrupted
-    result.update(finish(job, result, losses, monitor))
-    result["seconds"] = time.perf_counter() - start
-    report(job.name, result["status"], len(losses), config.steps, losses[-1] if losses else math.nan)
+    result.steps_done = len(losses)
+    result.measures = finish(job, result, losses, monitor)
+    result.seconds = time.perf_counter() - start
+    report(job.name, result.status, len(losses), config.steps, losses[-1] if losses else math.nan)
     return result
 
 
@@ -153,7 +154,8 @@ def measure_depth(
 def build(
     recipe: Recipe, variant: VariantSpec, config: TrainConfig, device: torch.device, ctx: DistContext | None
 ) -> Built:
-    """The variant's model (interventions, fault, autocast) and data, ready to train."""
+    """The variant's model (interventions, fault) and data, and the loop's `TrainRun` over them
+    (optimizer, precision), ready to train."""
     corpus: Any = load_corpus(recipe.data)
     fault = recipe.fault if variant.fault else None
     if fault is not None and fault.kind == "bad_batch":
@@ -171,9 +173,9 @@ def build(
             f"{variant.name}: under DDP the gains a rescue adds join the optimizer but not DDP's gradient "
             "averaging (they are added after the wrap): judge a rescue on one process"
         )
-    autocast_forward(model, config.precision, device)
     net = model if ctx is None else ddp_mod.wrap(model, device)
-    return Built(model, net, handle, corpus, train_corpus, config, clock, ctx, notes)
+    trainer = TrainRun(net, train_corpus, config, recipe.model.context, device)
+    return Built(model, handle, corpus, trainer, clock, ctx, notes)
 
 
 def build_model(
@@ -195,25 +197,29 @@ def monitor_config(recipe: Recipe, variant: VariantSpec) -> MonitorConfig:
     return replace(recipe.monitor, detect=variant.detect, console=False, history=None)
 
 
-def watch(job: Job, run: Built) -> tuple[torch.optim.Optimizer, Monitor]:
-    """The optimizer, and a monitor attached to it and to the model that trains."""
+def watch(job: Job, run: Built) -> Monitor:
+    """A monitor attached to the model that trains, its optimizer and (fp16 with one) its GradScaler."""
     variant = job.recipe.variant(job.variant)
-    opt = make_optimizer(run.net, run.config)
-    monitor = attach(run.net, opt, logdir=job.logdir, config=monitor_config(job.recipe, variant))
+    trainer = run.trainer
+    monitor = attach(
+        trainer.model,
+        trainer.optimizer,
+        logdir=job.logdir,
+        config=monitor_config(job.recipe, variant),
+        scaler=trainer.amp.scaler,
+    )
     if run.handle is not None:
         monitor.write_text("stabkit/interventions", ", ".join(run.handle.names))
-    return opt, monitor
+    return monitor
 
 
 def train_variant(
     job: Job,
     run: Built,
-    opt: torch.optim.Optimizer,
     monitor: Monitor,
     losses: list[float],
     report: Progress,
     should_stop: Callable[[], bool] | None,
-    device: torch.device,
     val_curve: list[list[float]] | None = None,
 ) -> None:
     """Train `run` with `monitor` stepped after each optimizer step (the interventions' metrics
@@ -223,7 +229,7 @@ def train_variant(
     ranks agree on it)."""
     steps = run.config.steps
     every = max(1, steps // 100)
-    agree = ddp_mod.StepAgreement(device, should_stop) if run.ctx is not None else None
+    agree = ddp_mod.StepAgreement(run.trainer.device, should_stop) if run.ctx is not None else None
     handle = run.handle
     curve = val_curve if val_curve is not None else []
 
@@ -243,52 +249,50 @@ def train_variant(
         if stop:
             raise Stop
         if run.config.eval_every and (step + 1) % run.config.eval_every == 0 and step + 1 < steps:
-            curve.append([step + 1, evaluate(job.recipe, run, device, curve=True)["val_loss"]])
+            curve.append([step + 1, heldout(job.recipe, run, curve=True).val_loss])
         if step % every == 0 or step == steps - 1:
             report(job.name, "step", step + 1, steps, loss)
 
-    train(
-        run.net,
-        run.train_corpus,
-        run.config,
-        context=job.recipe.model.context,
-        optimizer=opt,
-        after_update=after_update,
-        on_step=on_step,
-        on_end=monitor.detach,  # the held-out loss after training is measured unmonitored
-        evaluate_at_end=False,
-        device=device,
+    # the held-out loss after training is measured unmonitored: on_end detaches the monitor
+    train(run.trainer, Callbacks(after_update=after_update, on_step=on_step, on_end=monitor.detach))
+
+
+def heldout(recipe: Recipe, run: Built, curve: bool = False) -> Heldout:
+    """Held-out loss and log Z of the model as it is now, in the run's precision (the same batches
+    every time; a point of the curve during training uses the first quarter of them, at least one)."""
+    config = run.config
+    batches = max(1, config.eval_batches // 4) if curve else config.eval_batches
+    return evaluate(
+        run.model,
+        run.corpus,
+        batches=batches,
+        batch_size=config.batch_size,
+        context=recipe.model.context,
+        device=run.trainer.device,
+        amp=run.trainer.amp,
     )
 
 
-def evaluate(recipe: Recipe, run: Built, device: torch.device, curve: bool = False) -> dict[str, float]:
-    """Held-out loss and log Z of the model as it is now (the same batches every time; a point of
-    the curve during training uses the first quarter of them, at least one)."""
-    config = run.config
-    batches = max(1, config.eval_batches // 4) if curve else config.eval_batches
-    return heldout(run.model, run.corpus, batches, config.batch_size, recipe.model.context, device)
-
-
-def record_stop(recipe: Recipe, run: Built | None, result: dict[str, Any], exc: InstabilityError) -> None:
+def record_stop(recipe: Recipe, run: Built | None, result: RunResult, exc: InstabilityError) -> None:
     """Status "stopped": stabkit stopped training (`InstabilityError`); the event that stopped it, and
     the held-out loss of the model as it was then (the run's numbers stay comparable)."""
     event = exc.event
-    result["status"] = "stopped"
-    result["stopped"] = {"step": event.step, "kind": event.kind, "message": event.message}
-    result["error"] = f"stopped by stabkit at step {event.step}: {' '.join(str(event.message).split())}"
+    result.status = STOPPED
+    result.stopped = {"step": event.step, "kind": event.kind, "message": event.message}
+    result.error = f"stopped by stabkit at step {event.step}: {' '.join(str(event.message).split())}"
     if run is None:
         return
     try:
-        result.update(evaluate(recipe, run, next(run.model.parameters()).device))
+        result.heldout = heldout(recipe, run)
     except Exception as error:  # the model may be broken beyond evaluating: say so, keep the stop
-        result["notes"].append(f"held-out loss after the stop not measured ({type(error).__name__})")
+        result.notes.append(f"held-out loss after the stop not measured ({type(error).__name__})")
 
 
-def record_failure(job: Job, result: dict[str, Any], exc: Exception, ctx: DistContext | None) -> None:
+def record_failure(job: Job, result: RunResult, exc: Exception, ctx: DistContext | None) -> None:
     """Status "failed", the error in one line, the traceback in ``<logdir>/error.txt`` (with DDP,
     rank 0 writes: the ranks fail alike)."""
-    result["status"] = "failed"
-    result["error"] = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
+    result.status = FAILED
+    result.error = f"{type(exc).__name__}: {' '.join(str(exc).split())}"
     if ctx is None or ctx.writes:
         Path(job.logdir).mkdir(parents=True, exist_ok=True)
         (Path(job.logdir) / "error.txt").write_text(traceback.format_exc(), encoding="utf-8")

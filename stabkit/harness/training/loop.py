@@ -1,8 +1,10 @@
-"""Training loop for the reference GPT: AdamW (0.9, 0.95), warmup then cosine, grad clipping.
+"""Training loop for the reference GPT: AdamW (0.9, 0.95), warmup then cosine, grad clipping, and the
+run's precision (autocast around the forward pass and the loss, a GradScaler for fp16 on a GPU).
 
 Follows Wortsman et al. 2023 §2.1 at small scale (see shared/reference/papers.md, CPU proxy).
-Runs in the caller's process. The loop knows nothing of monitoring: the caller attaches a monitor
-to the model and the optimizer it passes in, and steps it from `after_update`.
+Runs in the caller's process. The loop knows nothing of monitoring: the caller builds a `TrainRun`,
+attaches a monitor to its model and optimizer (with ``scaler=run.amp.scaler``), and steps the monitor
+from `Callbacks.after_update`.
 """
 
 from __future__ import annotations
@@ -10,82 +12,59 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ...tables import bounds
-from ..data import ByteCorpus
+from .config import TrainConfig
+from .precision import Amp
 
-Precision = Literal["fp32", "bf16", "fp16"]
 
-MAX_BATCH_SIZE = 4096
-"""The largest `batch_size` (sequences per micro-batch) a recipe may ask for."""
+class Corpus(Protocol):
+    """Where batches come from (`stabkit.harness.data.ByteCorpus`, or a wrapper of one)."""
+
+    def batch(
+        self, split: str, batch_size: int, context: int, generator: torch.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass
-class TrainConfig:
-    """Optimiser, schedule, length and precision of one run.
+class Callbacks:
+    """What the caller runs inside the loop (each optional)."""
 
-    The ranges in the fields' metadata are checked when a recipe fills the config
-    (`stabkit.tables.fill`); `__post_init__` checks what the loop itself needs.
-    """
+    after_update: Callable[[torch.Tensor], None] | None = None
+    """``after_update(loss)`` after each optimizer step, with the step's loss (a 0-d device tensor),
+    before the gradients are cleared: the place for ``monitor.step``."""
+    on_step: Callable[[int, float], None] | None = None
+    """``on_step(step, loss)`` with the host loss after each step (may raise to end training)."""
+    on_end: Callable[[], None] | None = None
+    """``on_end()`` when the loop ends, also when it raises: the place for ``monitor.detach``."""
 
-    steps: int = field(default=300, metadata=bounds(lo=1))
-    """Optimizer steps."""
-    batch_size: int = field(
-        default=16,
-        metadata=bounds(
-            lo=1,
-            hi=MAX_BATCH_SIZE,
-            hint="sequences per micro-batch; for a larger batch per optimizer step set train.grad_accum "
-            "(micro-batches per step)",
-        ),
-    )
-    """Sequences per micro-batch."""
-    lr: float = field(default=1e-2, metadata=bounds(lo=0.0, lo_open=True))
-    """Peak learning rate."""
-    warmup: int = field(default=15, metadata=bounds(lo=0))
-    """Linear warmup steps (0 = none)."""
-    min_lr_fraction: float = field(default=0.01, metadata=bounds(lo=0.0, hi=1.0))
-    """Cosine decay ends at this fraction of the peak."""
-    weight_decay: float = field(default=1e-4, metadata=bounds(lo=0.0))
-    """Weight decay on matrices (not on embeddings, norms, biases)."""
-    independent_decay: bool = True
-    """Decay independent of the peak LR (Wortsman et al. 2023 Fig. 6); False = torch AdamW coupling."""
-    betas: tuple[float, float] = field(default=(0.9, 0.95), metadata=bounds(lo=0.0, hi=1.0, hi_open=True))
-    """Adam betas."""
-    eps: float = field(default=1e-8, metadata=bounds(lo=0.0, lo_open=True))
-    """Adam epsilon."""
-    clip: float | None = field(default=1.0, metadata=bounds(lo=0.0, lo_open=True))
-    """Global grad-norm clip (None = off; "none" in a recipe)."""
-    seed: int = field(default=0, metadata=bounds(lo=0))
-    """Seed of the model init and of the data order."""
-    eval_batches: int = field(default=8, metadata=bounds(lo=1))
-    """Validation batches at the end."""
-    eval_every: int = field(default=0, metadata=bounds(lo=0))
-    """Also measure the held-out loss every this many steps (0 = only before and after training); the
-    recipes' worker records the curve (``val_curve``), which the lead-time table reads. Evaluation
-    runs without gradients in eval mode, on its own batches: training is unchanged."""
-    grad_accum: int = field(default=1, metadata=bounds(lo=1))
-    """Micro-batches per optimizer step."""
-    precision: Precision = "fp32"
-    """fp32, or bf16 / fp16 autocast on the forward pass (the caller sets it up: the recipes' worker
-    with `stabkit.harness.recipes.faults.autocast_forward`)."""
+
+@dataclass
+class TrainRun:
+    """What `train` trains and with what: built once by the caller, who may attach a monitor to
+    `model` and `optimizer` (passing ``amp.scaler``) before training starts."""
+
+    model: nn.Module
+    """What trains (already on `device`; may be a DDP wrap)."""
+    corpus: Corpus
+    """Where the training batches come from."""
+    config: TrainConfig
+    context: int
+    """Sequence length of a batch."""
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    optimizer: torch.optim.Optimizer = field(init=False)
+    """`make_optimizer(model, config)`."""
+    amp: Amp = field(init=False)
+    """`config.precision` on `device` (autocast, and a GradScaler for fp16 on a GPU)."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:
-            raise ValueError("TrainConfig.steps, batch_size and grad_accum must be >= 1")
-        if not (self.lr > 0 and math.isfinite(self.lr)):
-            raise ValueError(f"TrainConfig.lr must be a positive number, got {self.lr!r}")
-        if self.warmup < 0 or self.weight_decay < 0 or self.eps <= 0:
-            raise ValueError("TrainConfig.warmup and weight_decay must be >= 0 and eps > 0")
-        if self.clip is not None and self.clip <= 0:
-            raise ValueError(f"TrainConfig.clip must be None or > 0, got {self.clip!r}")
-        if self.precision not in ("fp32", "bf16", "fp16"):
-            raise ValueError(f"TrainConfig.precision must be fp32, bf16 or fp16, got {self.precision!r}")
+        self.device = torch.device(self.device)
+        self.optimizer = make_optimizer(self.model, self.config)
+        self.amp = Amp.of(self.config.precision, self.device)
 
 
 @dataclass
@@ -93,13 +72,12 @@ class TrainResult:
     """What one run produced (host floats)."""
 
     losses: list[float]
-    val_loss: float = math.nan
-    """Validation loss at the end (NaN when `train` was asked not to evaluate)."""
+    """The training loss of each completed step."""
 
     @property
     def diverged(self) -> bool:
-        """A non-finite training or validation loss."""
-        return not math.isfinite(self.val_loss) or any(not math.isfinite(v) for v in self.losses)
+        """A non-finite training loss."""
+        return any(not math.isfinite(v) for v in self.losses)
 
     @property
     def initial_loss(self) -> float:
@@ -135,79 +113,38 @@ def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
 
 
-def train(
-    model: nn.Module,
-    corpus: ByteCorpus,
-    cfg: TrainConfig,
-    *,
-    context: int,
-    optimizer: torch.optim.Optimizer | None = None,
-    after_update: Callable[[torch.Tensor], None] | None = None,
-    on_step: Callable[[int, float], None] | None = None,
-    on_end: Callable[[], None] | None = None,
-    evaluate_at_end: bool = True,
-    device: str | torch.device = "cpu",
-) -> TrainResult:
-    """Train `model` on `corpus`; returns per-step losses and (`evaluate_at_end`) a validation loss.
+def train(run: TrainRun, callbacks: Callbacks | None = None) -> TrainResult:
+    """Train `run.model` for ``run.config.steps`` steps; returns the per-step losses.
 
-    `optimizer`: built by the caller (e.g. to attach a monitor to it first; default
-    `make_optimizer(model, cfg)`). `after_update(loss)` runs after each optimizer step with the
-    step's loss (a 0-d device tensor), before the gradients are cleared: the place for
-    ``monitor.step``. `on_step(step, loss)` is called with the host loss each step. `on_end()` runs
-    when the loop ends, also when it raises, before the validation: the place for
-    ``monitor.detach``. The loop builds no monitor and registers no hooks.
+    Evaluation is the caller's (`stabkit.harness.training.evaluate`, in the same precision). The
+    loop builds no monitor and registers no hooks.
     """
-    opt = optimizer if optimizer is not None else make_optimizer(model, cfg)
+    cb = callbacks or Callbacks()
+    cfg, model, amp, opt = run.config, run.model, run.amp, run.optimizer
     gen = torch.Generator().manual_seed(cfg.seed)
     losses: list[float] = []
     try:
         for step in range(cfg.steps):
-            for group in opt.param_groups:  # lr_scale: a factor stabkit's rescue may have set
-                group["lr"] = lr_at(step, cfg) * group.get("lr_scale", 1.0)
-            total = torch.zeros((), device=device)
+            for group in opt.param_groups:  # the schedule; a rescue scales it in optimizer step hooks
+                group["lr"] = lr_at(step, cfg)
+            total = torch.zeros((), device=run.device)
             for _ in range(cfg.grad_accum):
-                x, y = corpus.batch("train", cfg.batch_size, context, gen)
-                x, y = x.to(device), y.to(device)
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
-                (loss / cfg.grad_accum).backward()
+                x, y = run.corpus.batch("train", cfg.batch_size, run.context, gen)  # (B, T) each
+                x, y = x.to(run.device), y.to(run.device)
+                with amp.autocast():
+                    logits = model(x)  # (B, T, V)
+                    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+                amp.backward(loss / cfg.grad_accum)
                 total += loss.detach() / cfg.grad_accum
-            if cfg.clip is not None:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
-            opt.step()
-            if after_update is not None:
-                after_update(total)
+            amp.step(opt, model.parameters(), cfg.clip)
+            if cb.after_update is not None:
+                cb.after_update(total)
             opt.zero_grad(set_to_none=True)
             value = float(total)  # sync point: the loop reports the loss each step
             losses.append(value)
-            if on_step is not None:
-                on_step(step, value)
+            if cb.on_step is not None:
+                cb.on_step(step, value)
     finally:
-        if on_end is not None:
-            on_end()
-    if not evaluate_at_end:
-        return TrainResult(losses)
-    return TrainResult(losses, evaluate(model, corpus, cfg, context, gen, device))
-
-
-@torch.no_grad()
-def evaluate(
-    model: nn.Module,
-    corpus: ByteCorpus,
-    cfg: TrainConfig,
-    context: int,
-    gen: torch.Generator,
-    device: str | torch.device,
-) -> float:
-    """Mean validation loss over `cfg.eval_batches` batches."""
-    was_training = model.training
-    model.eval()
-    total = 0.0
-    for _ in range(cfg.eval_batches):
-        x, y = corpus.batch("val", cfg.batch_size, context, gen)
-        logits = model(x.to(device))
-        total += float(
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.to(device).reshape(-1))
-        )
-    model.train(was_training)
-    return total / cfg.eval_batches
+        if cb.on_end is not None:
+            cb.on_end()
+    return TrainResult(losses)

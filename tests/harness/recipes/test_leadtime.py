@@ -192,6 +192,8 @@ def test_the_held_out_curve_does_not_change_training(tmp_path: Path) -> None:
         ref.train = train
         results.append(run_job(Job(recipe, "reference", str(tmp_path / str(i)))))
     without, with_curve = results
-    assert "val_curve" not in without and [s for s, _ in with_curve["val_curve"]] == [0, 4, 8, 12]
+    assert without.val_curve is None and with_curve.val_curve is not None
+    assert [s for s, _ in with_curve.val_curve] == [0, 4, 8, 12]
+    assert "val_curve" not in without.to_dict()
     for key in ("final_loss", "best_loss", "val_loss", "max_attn_logit"):
-        assert with_curve[key] == without[key], key
+        assert with_curve.to_dict()[key] == without.to_dict()[key], key

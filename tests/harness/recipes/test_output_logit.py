@@ -20,7 +20,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("old")
     recipe = load_recipe("output-logit-divergence", "tiny", steps=STEPS)
     assert recipe.model.qk_norm and recipe.train.weight_decay == 0.0
-    return {name: run_job(Job(recipe, name, str(out / name))) for name in ("baseline", "z_loss")}
+    return {name: run_job(Job(recipe, name, str(out / name))).to_dict() for name in ("baseline", "z_loss")}
 
 
 def test_the_mean_output_logit_drifts_negative_and_log_z_does_not(runs: dict[str, dict[str, Any]]) -> None:

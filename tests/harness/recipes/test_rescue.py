@@ -25,7 +25,8 @@ def test_a_rescue_variant_trains_the_baselines_settings_with_the_action_rescue()
     base, rescue = recipe.baseline, recipe.variant("rescue")
     assert rescue.role == "rescue" and rescue.interventions == base.interventions == {}
     assert rescue.train == base.train and rescue.fault == base.fault
-    assert rescue.detect.snapshot_every == 25 and rescue.detect.snapshots == 5 and rescue.tolerance == 0.1
+    snapshots = rescue.detect.options_for("rollback")
+    assert snapshots.snapshot_every == 25 and snapshots.snapshots == 5 and rescue.tolerance == 0.1
     assert rescue.detect.actions["drift"] == ("warn", "rescue") and rescue.detect.actions["spike"] == (
         "warn",
     )

@@ -109,9 +109,9 @@ def test_interrupt_leaves_flushed_logs_and_a_partial_result(tmp_path: Path) -> N
         return calls["n"] > 25
 
     r = run_job(Job(recipe, "baseline", str(tmp_path / "baseline")), should_stop=stop)
-    assert r["status"] == "interrupted" and r["steps_done"] == 26
+    assert r.status == "interrupted" and r.steps_done == 26
     assert [s for s, _ in history(tmp_path / "baseline")] == list(range(26))  # flushed up to the stop
-    assert math.isnan(r["diverged"])  # not judged
+    assert r.measures is not None and math.isnan(r.measures.diverged)  # not judged
 
 
 def test_a_crashing_variant_is_reported_and_the_others_finish(tmp_path: Path) -> None:
@@ -120,7 +120,7 @@ def test_a_crashing_variant_is_reported_and_the_others_finish(tmp_path: Path) ->
     recipe.variants[1].interventions = {"z_loss": {"coef": -1.0}}  # refused when applied
     summary = run_recipe(recipe, tmp_path, workers=1)
     bad = summary.variants["qk_norm"]
-    assert bad["status"] == "failed" and "coef must be >= 0" in bad["error"]
+    assert bad["status"] == "failed" and "coef must be a number in [0, inf)" in bad["error"]
     assert (tmp_path / "qk_norm" / "error.txt").read_text().startswith("Traceback")
     assert summary.variants["baseline"]["status"] == "done"
     assert summary.complete is False and summary.verdicts["qk_norm"]["verdict"] == "failed"
@@ -146,7 +146,8 @@ def test_aggregate_checks_are_computed_in_the_worker(tmp_path: Path) -> None:
     job = Job(recipe, "logit_softcap", str(tmp_path / "cap"), history_checks=[("max", "logits/max_abs")])
     r = run_job(job)
     expected = aggregate(history(tmp_path / "cap"), "logits/max_abs", "max")[0]
-    assert r["aggregates"]["max(logits/max_abs)"] == pytest.approx(expected) and expected <= 30.0 + 1e-4
+    assert r.measures is not None
+    assert r.measures.aggregates["max(logits/max_abs)"] == pytest.approx(expected) and expected <= 30.0 + 1e-4
 
 
 def test_a_second_run_replaces_the_first_runs_logs(tmp_path: Path) -> None:

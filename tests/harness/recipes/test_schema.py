@@ -136,7 +136,16 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
         ),
         (BASE + '\n[fault]\nkind = "nan"\nstep = 40\n', "fault.step", "below train.steps = 40"),
         (BASE + '\n[fault]\nkind = "meteor"\nstep = 4\n', "fault.kind", "nan, inf, bad_batch"),
-        (BASE + "\n[detect]\nspike_sigma = -1\n", "detect.spike_sigma", "must be a number > 0"),
+        (
+            BASE + "\n[detect]\noptions = { spike = { sigma = -1 } }\n",
+            "detect.options.spike.sigma",
+            "must be a number in (0, inf)",
+        ),
+        (
+            BASE + "\n[detect]\nspike_sigma = 1\n",
+            "detect.spike_sigma",
+            "moved: use detect.options.spike.sigma",
+        ),
         (
             BASE.replace("[variants.qk_norm]", '[variants.qk_norm]\nmodel = { attention = "flash" }'),
             "variants.qk_norm.model.attention",
@@ -188,16 +197,15 @@ def test_data_path_is_relative_to_the_recipe_and_cli_data_wins(tmp_path: Path) -
     assert load_recipe(path, data=str(tmp_path / "elsewhere.txt")).data == str(tmp_path / "elsewhere.txt")
 
 
-# ---- built-in recipes: package data, found by name, old paths still work
+# ---- built-in recipes: the top-level recipes/ folder, found by name, old paths still work
 
 
-def test_builtin_recipes_are_package_data() -> None:
-    from importlib import resources
-
-    folder = resources.files("stabkit.harness.recipes").joinpath("builtin")
+def test_builtin_recipes_are_the_top_level_recipes_folder() -> None:
+    """One copy, ``recipes/`` beside pyproject.toml; the wheel ships it (tests/harness/recipes/test_packaging.py)."""
+    folder = Path(__file__).resolve().parents[3] / "recipes"
     names = {p.name for p in folder.iterdir() if p.name.endswith(".toml")}
     assert names >= {f"{n}.toml" for n in REQUIRED}
-    assert builtin_dir().samefile(str(folder))
+    assert builtin_dir().samefile(folder)
 
 
 def test_a_bare_name_finds_the_builtin_from_any_folder(
@@ -205,7 +213,7 @@ def test_a_bare_name_finds_the_builtin_from_any_folder(
 ) -> None:
     from stabkit.harness.recipes.loader import find_recipe
 
-    monkeypatch.chdir(tmp_path)  # no ./recipes here: the package data answers
+    monkeypatch.chdir(tmp_path)  # no ./recipes here: the built-ins answer
     assert find_recipe("attention-logit-growth") == builtin_dir() / "attention-logit-growth.toml"
     assert load_recipe("loss-spike").name == "loss-spike"
 
@@ -224,7 +232,7 @@ def test_an_old_style_path_names_the_builtin(tmp_path: Path, monkeypatch: pytest
     from stabkit.harness.recipes.loader import find_recipe
 
     monkeypatch.chdir(tmp_path)
-    old = "recipes/attention-logit-growth.toml"  # the pre-package-data command line
+    old = "recipes/attention-logit-growth.toml"  # the repository's path, typed in another folder
     assert not (tmp_path / old).exists()
     assert find_recipe(old) == builtin_dir() / "attention-logit-growth.toml"
     assert load_recipe(old).name == "attention-logit-growth"
@@ -242,33 +250,6 @@ def test_an_unknown_name_lists_the_builtins(tmp_path: Path, monkeypatch: pytest.
         message = str(info.value)
         assert "\n" not in message and spec in message
         assert all(name in message for name in REQUIRED)
-
-
-@pytest.mark.multiprocess
-def test_a_wheel_contains_the_builtin_recipes(tmp_path: Path) -> None:
-    """Build a wheel from a copy of the sources (no network: the installed setuptools) and list it."""
-    import shutil
-    import subprocess
-    import sys
-    import zipfile
-
-    pytest.importorskip("setuptools")
-    pytest.importorskip("wheel")
-    root = Path(__file__).resolve().parents[3]
-    src = tmp_path / "src"
-    shutil.copytree(root / "stabkit", src / "stabkit", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy(root / name, src / name)
-    proc = subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(src), "--no-deps", "--no-build-isolation", "-q",
-         "-w", str(tmp_path / "dist")],
-        capture_output=True, text=True, timeout=300, check=False, cwd=src,
-    )  # fmt: skip
-    if proc.returncode != 0:
-        pytest.skip(f"cannot build a wheel here: {proc.stderr.strip()[-300:]}")
-    (wheel,) = (tmp_path / "dist").glob("stabkit-*.whl")
-    names = set(zipfile.ZipFile(wheel).namelist())
-    assert {f"stabkit/harness/recipes/builtin/{n}.toml" for n in REQUIRED} <= names
 
 
 # ---- the one table -> dataclass loader (stabkit.tables.fill) behind every recipe table
@@ -310,8 +291,19 @@ def test_fill_converts_and_keeps_the_base() -> None:
     assert isinstance(cfg.lr, float) and base.lr == 1e-2  # the base is not changed
     mon = fill(MonitorConfig, {"families": ["loss", "grad"], "attn_sample_rows": "none"}, "monitor")
     assert mon.families == frozenset({"loss", "grad"}) and mon.attn_sample_rows is None
-    det = fill(DetectConfig, {"actions": {"spike": ["skip", "dump"]}, "spike_series": ["loss"]}, "detect")
-    assert det.actions["spike"] == ("skip", "dump") and det.spike_series == ("loss",)
+    det = fill(
+        DetectConfig,
+        {"actions": {"spike": ["skip", "dump"]}, "options": {"spike": {"series": ["loss"]}}},
+        "detect",
+    )
+    assert det.actions["spike"] == ("skip", "dump") and det.options_for("spike").series == ("loss",)
+    over = fill(
+        DetectConfig, {"options": {"spike": {"window": 64}, "rollback": {"snapshots": 3}}}, "detect", det
+    )
+    assert over.options == {
+        "spike": {"series": ["loss"], "window": 64},
+        "rollback": {"snapshots": 3},
+    }  # laid over
 
 
 def test_fill_reraises_the_dataclass_own_check_naming_the_field() -> None:
@@ -321,7 +313,7 @@ def test_fill_reraises_the_dataclass_own_check_naming_the_field() -> None:
 
     cases = [
         (MonitorConfig, {"attn_chunk_bytes": 10}, "monitor.attn_chunk_bytes"),
-        (DetectConfig, {"drift_window": 2}, "detect.drift_window"),
+        (DetectConfig, {"options": {"drift": {"window": 2}}}, "detect.options.drift.window"),
         (DetectConfig, {"actions": {"spike": "explode"}}, "detect.actions"),
         (GPTConfig, {"d_model": 64, "n_heads": 5}, "model.n_heads"),
         (GPTConfig, {"positions": "rope", "d_model": 12, "n_heads": 4}, "model"),  # names no field

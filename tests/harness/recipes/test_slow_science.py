@@ -9,34 +9,27 @@ test_widths.py) and on short real runs.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from cli_process import StabkitCLI
 
-ROOT = Path(__file__).resolve().parents[3]
-BOOT = "import sys; from stabkit.cli import main; sys.argv[0] = 'stabkit'; main()"
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 
-def stabkit(*args: str, timeout: int) -> str:
-    proc = subprocess.run(
-        [sys.executable, "-c", BOOT, *args],
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-        check=False,
-        cwd=ROOT,
-    )
+def stabkit(cli: StabkitCLI, *args: str, timeout: int) -> str:
+    proc = cli.run(*args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout
 
 
-def test_stabkit_warns_long_before_attention_logit_growth_loses_a_run(tmp_path: Path) -> None:
+def test_stabkit_warns_long_before_attention_logit_growth_loses_a_run(
+    tmp_path: Path, stabkit_cli: StabkitCLI
+) -> None:
     out = tmp_path / "lead"
     text = stabkit(
+        stabkit_cli,
         "lead-time",
         "attention-logit-growth",
         "nan-injection",
@@ -59,10 +52,10 @@ def test_stabkit_warns_long_before_attention_logit_growth_loses_a_run(tmp_path: 
     assert "| attention-logit-growth | 3/3 | 3/3 | 3/3 |" in text
 
 
-def test_the_width_law_predicts_where_d256_crosses_1e4(tmp_path: Path) -> None:
+def test_the_width_law_predicts_where_d256_crosses_1e4(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     out = tmp_path / "scale"
     args = ["scale", "attention-logit-growth", "--widths", "32,64,128", "--check", "256"]
-    text = stabkit(*args, "--lrs", "1e-2,3e-2,1e-1,3e-1,1", "--out", str(out), timeout=3600)
+    text = stabkit(stabkit_cli, *args, "--lrs", "1e-2,3e-2,1e-1,3e-1,1", "--out", str(out), timeout=3600)
     print(text)
     report = json.loads((out / "scale.json").read_text())
     check = report["check"]

@@ -1,35 +1,34 @@
-"""`NonfiniteWatch`: the device side of the 'nonfinite' kind — the checks that need the model.
+"""`NonfiniteWatch`: the device part of the 'nonfinite' kind — the checks that need the model.
 
-What it owns and when each part runs:
+Built by `NonfiniteDetector.device_checks` at attach (the detectors' extension point,
+`stabkit.detectors.device`: the methods below are its moments). What it owns and when each runs:
 - `StepGuard` (root forward pre-/post-hooks, every training forward): keeps the step's inputs for a
   replay and flags a non-finite model output; `FiniteTracer` with ``per_module`` (every module);
-- `flag` (optimizer step pre-hook): one device flag from the global gradient norm (or the gradients
-  themselves), the output flag and the tracer;
-- `locate` (pre-hook, on a step decided non-finite): names the producer (tracer hit, or a replay);
-- `check_update` (optimizer step post-hook): the fused parameter / optimizer-state check;
-- `after_update` / `row_event` (at `Monitor.step` / at the log interval): the loss and the update
-  check, and with an fp16 GradScaler a skipped step whose weights are broken.
+- `before_update` (optimizer step pre-hook): one device flag from the global gradient norm (or the
+  gradients themselves), the output flag and the tracer; decided now when the kind is decided
+  every step;
+- `decide_before_update` (pre-hook, on a step decided non-finite): names the producer (tracer hit,
+  or a replay);
+- `after_update` (optimizer step post-hook): the fused parameter / optimizer-state check;
+- `step_flags` / `decide_step` (at `Monitor.step`, decided every step) and `decide_row` (at the log
+  interval, warn only): the loss and the update check.
 
-It returns events; the decider advises them and runs the actions.
+It returns events; the orchestration (`stabkit.decisions`) advises them and runs the actions.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
-from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
-from ..detect_config import DetectConfig
+from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
 from ..events import Event
-from ..hooks import Registrar
-from ..stats import Recorder
 from ..stats.finite import nonfinite_flag
-from .localize import FaultSite, finding_event, locate_update_fault, nonfinite_state, replay
-from .nonfinite import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
+from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
+from .localize import FaultSite, finding_event, locate_update_fault, replay
+from .options import NonfiniteOptions
 from .tracer import FiniteTracer
 
 GRAD_FLAG = "grad/nonfinite"
@@ -37,41 +36,40 @@ GRAD_FLAG = "grad/nonfinite"
 Origin = tuple[torch.Tensor, torch.Tensor, list[tuple[str, str, str]]]
 
 
-class NonfiniteWatch:
-    """Device-side non-finite checks of one model (built by the wiring when 'nonfinite' runs)."""
+class NonfiniteWatch(DeviceChecks):
+    """Device-side non-finite checks of one model (the device part of the 'nonfinite' kind)."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        optimizer: Any,
-        config: DetectConfig,
-        recorder: Recorder,
-        hooks: Registrar,
-        *,
-        scaled: bool,
-        can_replay: bool,
-        muted: Callable[[], contextlib.AbstractContextManager[Any]],
-    ) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.config = config
-        self.recorder = recorder
-        self.scaled = scaled
+    kind = "nonfinite"
+
+    def __init__(self, ctx: DeviceContext, options: NonfiniteOptions) -> None:
+        self.model = model = ctx.model
+        self.optimizer: Any = ctx.optimizer
+        self.options = options
+        self.record = ctx.record
+        """Add a per-step flag (combined by max) to the step's statistics."""
+        self.per_step = ctx.per_step
+        """Decided every step (an action other than warn, or sync); else at the log interval."""
+        self.scaled = ctx.scaled
         """An fp16 GradScaler is in use: non-finite gradients are expected and handled by it."""
-        self.can_replay = can_replay
+        self.can_replay = ctx.can_replay
         """Replays re-run forward/backward on this rank alone, which a distributed job cannot do."""
-        self.muted = muted
+        self.muted = ctx.muted
+        every = options.optimizer_check_every
+        if every is None:  # every step when a non-finite update must be acted on, else on sampled steps
+            acting = any(a != "warn" for a in ctx.config.actions["nonfinite"])
+            every = 1 if acting else ctx.sampled_every
+        self.update_check_every = every
         # the output gradient only serves a replay, and a replay only happens when non-finite values
         # are decided per step (warn-only decides at the log interval): keep it only then
         keep_grad = (
-            config.keep_output_grad
-            and config.loss_fn is None
-            and config.localize
-            and can_replay
-            and config.needs_sync("nonfinite")
+            options.keep_output_grad
+            and options.loss_fn is None
+            and options.localize
+            and self.can_replay
+            and self.per_step
         )
-        self.guard = StepGuard(model, self.record, config.check_output, keep_grad, hooks)
-        self.tracer = FiniteTracer(model, hooks=hooks) if config.per_module else None
+        self.guard = StepGuard(model, self.record, options.check_output, keep_grad, ctx.hooks)
+        self.tracer = FiniteTracer(model, hooks=ctx.hooks) if options.per_module else None
         self.open = False
         """A non-finite run of steps is in progress (replay and the unlocalized report happen once per run)."""
         self.now = False
@@ -79,14 +77,25 @@ class NonfiniteWatch:
         self._update_bad: torch.Tensor | None = None
         self._origins: dict[int, Origin] = {}
 
-    def record(self, name: str, value: Any) -> None:
-        """Add a per-step flag (combined by max) to the recorder."""
-        self.recorder.add(name, value, combine="max", reduction="max")
-
     # ------------------------------------------------------------------ before the update
-    def flag(
-        self, step: int, value: Callable[[str], torch.Tensor | None], record: bool
-    ) -> torch.Tensor | None:
+    def before_update(self, step: int, value: ValueOf, record: bool) -> torch.Tensor | None:
+        """The step's flag (tracer origins and the gradient flag are kept either way), to be decided
+        now only when the kind is decided every step."""
+        flag = self.flag(step, value, record)
+        return flag if self.per_step else None
+
+    def decide_before_update(self, step: int, flagged: bool) -> Event | None:
+        """On a step decided non-finite: the event, with the producer when found."""
+        if flagged:
+            return self.locate(step)
+        self.open = False
+        return None
+
+    def pre_update_done(self) -> None:
+        """Drop the kept output gradients (any replay is over)."""
+        self.guard.release_grads()
+
+    def flag(self, step: int, value: ValueOf, record: bool) -> torch.Tensor | None:
         """0-d device flag: this step is non-finite so far (None when nothing could be checked)."""
         origin: Origin | None = None
         if self.tracer is not None:
@@ -122,7 +131,7 @@ class NonfiniteWatch:
         if origin is not None and bool(origin[0]):  # sync point (on a hit only)
             path, pass_, tensor = origin[2][int(origin[1])]  # sync point (on a hit only)
             finding = FaultSite(pass_, path, tensor)
-        elif self.config.localize and self.can_replay and self.guard.forwards:
+        elif self.options.localize and self.can_replay and self.guard.forwards:
             finding = self._replay()  # starts with a cheap check for weights an earlier update broke
         repeat = self.open
         self.open = self.now = True
@@ -136,15 +145,17 @@ class NonfiniteWatch:
         self.guard.paused = True
         try:
             with self.muted():  # the replay's statistics go nowhere
-                return replay(self.model, self.guard.forwards, self.optimizer, self.config.loss_fn)
+                return replay(self.model, self.guard.forwards, self.optimizer, self.options.loss_fn)
         finally:
             self.guard.paused = False
             if self.tracer is not None:
                 self.tracer.reset()
 
     # ------------------------------------------------------------------ after the update
-    def check_update(self, step: int, every: int) -> None:
-        """Optimizer step post-hook: fused NaN/Inf check of parameters and optimizer state (device)."""
+    def after_update(self, step: int) -> None:
+        """Optimizer step post-hook: fused NaN/Inf check of parameters and optimizer state (device),
+        every `update_check_every`-th step."""
+        every = self.update_check_every
         if not every or step % every:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
@@ -153,24 +164,33 @@ class NonfiniteWatch:
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
 
-    def after_update_checks(self, committed: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
-        """At `Monitor.step`: (name, device flag) pairs to copy to the host with the step's values."""
+    def step_flags(self, committed: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+        """At `Monitor.step`, decided every step: (name, device flag) pairs to copy to the host with
+        the step's values (the update check, the loss)."""
         checks: list[tuple[str, torch.Tensor]] = []
+        if not self.per_step:
+            return checks
         if self._update_bad is not None:
             checks.append((UPDATE_METRIC, self._update_bad))
         if "loss" in committed:
             checks.append(("loss", ~torch.isfinite(committed["loss"])))
         return checks
 
-    def after_update(self, step: int, bad: list[str]) -> Event | None:
-        """The event for the flags that were set (`bad`: names from `after_update_checks`), if any."""
-        if UPDATE_METRIC in bad and not self.now:
+    def decide_step(self, step: int, flagged: list[str]) -> Event | None:
+        """The event for the flags that were set (`flagged`: names from `step_flags`), if any."""
+        if not self.per_step or self.now:
+            return None
+        if UPDATE_METRIC in flagged:
             self.open = self.now = True
             return finding_event(step, locate_update_fault(self.model, self.optimizer), UPDATE_METRIC, 1.0)
-        if bad and not self.now:
+        if flagged:
             self.open = True
-            return finding_event(step, None, bad[0], math.nan)
+            return finding_event(step, None, flagged[0], math.nan)
         return None
+
+    def noted(self, event: Event) -> None:
+        """A non-finite event decided elsewhere this step (the GradScaler check): a run of them is open."""
+        self.open = self.now = True
 
     def end_step(self) -> None:
         """At `Monitor.step`, after the decisions: release what the step kept."""
@@ -179,8 +199,10 @@ class NonfiniteWatch:
         self.guard.end_step()
 
     # ------------------------------------------------------------------ at the log interval
-    def row_event(self, step: int, row: dict[str, float]) -> Event | None:
+    def decide_row(self, step: int, row: dict[str, float]) -> Event | None:
         """Warn-only: the event of a logged row that holds a non-finite value (once per run of them)."""
+        if self.per_step:
+            return None
         watched = ("loss",) if self.scaled else ("loss", "grad/global_norm")
         bad: list[str] = [m for m in watched if m in row and not math.isfinite(row[m])]
         bad += [m for m in (OUTPUT_METRIC, GRAD_FLAG, UPDATE_METRIC) if row.get(m, 0.0) > 0]
@@ -201,38 +223,20 @@ class NonfiniteWatch:
         """Drop tracer origins of steps up to `step` (after their rows were judged)."""
         self._origins = {s: v for s, v in self._origins.items() if s > step}
 
+    def kept_forwards(self) -> list[Any]:
+        """The step's kept forward calls (`stabkit.nonfinite.guard.KeptForward`)."""
+        return self.guard.forwards
+
+    def state_dict(self) -> dict[str, Any]:
+        """Whether a non-finite run of steps is in progress."""
+        return {"open": self.open}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore `state_dict()` output."""
+        self.open = bool(state.get("open", False))
+
     def detach(self) -> None:
         """Remove the guard's and tracer's hooks (safe twice)."""
         self.guard.detach()
         if self.tracer is not None:
             self.tracer.detach()
-
-
-class ScalerCheck:
-    """With an fp16 GradScaler: on a step it skipped, whether a parameter or optimizer state (not just
-    a scaled gradient) holds NaN/Inf — then every step overflows and the scale alone cannot help.
-    Runs at `Monitor.step` (even with the detectors off: it comes with `attach(..., scaler=...)`);
-    syncs once, on overflowed steps only."""
-
-    def __init__(self, model: nn.Module, optimizer: Any, overflowed: Callable[[], bool]) -> None:
-        self.model = model
-        self.optimizer = optimizer
-        self.overflowed = overflowed
-
-    def event(self, step: int) -> Event | None:
-        """The 'nonfinite' event of a broken model behind a skipped step, else None."""
-        if not self.overflowed():
-            return None
-        found = nonfinite_state(self.model, self.optimizer)
-        if found is None:
-            return None
-        return Event(
-            step,
-            "nonfinite",
-            found.module or "(model)",
-            float("nan"),
-            0.0,
-            f"{found.tensor} holds NaN/Inf: the GradScaler skips every step because the weights (or the "
-            "optimizer state) are broken, not because the loss scale is too high",
-            details={"pass": "optimizer", "module": found.module, "tensor": found.tensor},
-        )

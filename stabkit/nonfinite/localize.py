@@ -26,7 +26,7 @@ from torch import nn
 from ..events import Event
 from ..probes import first_tensor
 from ..stats.finite import floating_tensors, is_nonfinite, nonfinite_flag
-from .nonfinite import KeptForward, optimizer_tensors, rerun_forward, rng_state, set_rng_state
+from .guard import KeptForward, optimizer_tensors, rerun_forward, rng_state, set_rng_state
 from .tracer import FiniteTracer
 
 MAX_LISTED = 20

@@ -3,8 +3,9 @@
 Reads ``amp/overflow`` (1 on a skipped step) and ``amp/scale`` (the loss scale after the step),
 which the gradient probe records when `attach(..., scaler=...)` got an enabled GradScaler. A
 skipped step is the scaler doing its job; the event says so. When the weights themselves are
-broken (every step then overflows), the non-finite check reports that instead, and this event is
-dropped (`quiet_after`).
+broken (every step then overflows), that is reported as 'nonfinite' instead — by its device part,
+`stabkit.nonfinite.scaler.ScalerCheck` (with a scaler only; it runs even when the 'nonfinite' kind
+is off) — and this event is dropped (`quiet_after`). Importing it loads no torch.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import ClassVar
 
+from ..detectors.advice import Advice
+from ..detectors.base import Detector, Observation
+from ..detectors.device import DeviceChecks, DeviceContext
 from ..events import Event
 from ..plugins import DETECTORS
-from .advice import Advice
-from .base import Detector, Observation
 
 
 @DETECTORS.register
@@ -51,3 +53,11 @@ class AmpDetector(Detector):
                 )
             ]
         )
+
+    def device_checks(self, ctx: DeviceContext) -> DeviceChecks | None:
+        """With an fp16 GradScaler: `ScalerCheck` (on a skipped step, are the weights broken?)."""
+        if ctx.overflowed is None:
+            return None
+        from .scaler import ScalerCheck
+
+        return ScalerCheck(ctx.model, ctx.optimizer, ctx.overflowed)

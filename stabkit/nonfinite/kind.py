@@ -1,9 +1,12 @@
 """The 'nonfinite' kind: NaN/Inf in the loss, gradients, model output, parameters or optimizer state.
 
-Its events are decided by the wiring's device-side checks (`stabkit.detectors.watch`: the step
-guard on the model output, the global gradient norm, the fused parameter / optimizer-state check,
-the per-module tracer and the replay that names the module), because finding the *producer* needs
-the model. This class is the kind's plug-in face: its advice rows and which row fits an event.
+Its events are decided by its device part (`stabkit.nonfinite.watch.NonfiniteWatch`: the step guard
+on the model output, the global gradient norm, the fused parameter / optimizer-state check, the
+per-module tracer and the replay that names the module), because finding the *producer* needs the
+model; `device_checks` (the detectors' extension point, `stabkit.detectors.device`) builds it at
+attach. This class is the kind's plug-in face: its options (`NonfiniteOptions`, in `options.py`
+beside it), its advice rows and which row fits an event. Importing it loads no torch (the device
+part is imported when it is built).
 """
 
 from __future__ import annotations
@@ -12,17 +15,20 @@ import re
 from collections.abc import Mapping
 from typing import ClassVar
 
+from ..detectors.advice import Advice
+from ..detectors.base import Detector, DetectorContext, Observation
+from ..detectors.device import DeviceChecks, DeviceContext
 from ..events import Event
 from ..plugins import DETECTORS
-from .advice import Advice
-from .base import Detector, Observation
+from .options import NonfiniteOptions
 
 
 @DETECTORS.register
 class NonfiniteDetector(Detector):
-    """Advice for non-finite events (decided on the device by `stabkit.detectors.watch.NonfiniteWatch`)."""
+    """Advice for non-finite events (decided on the device by `stabkit.nonfinite.watch.NonfiniteWatch`)."""
 
     kind = "nonfinite"
+    options_class = NonfiniteOptions
     advice: ClassVar[dict[str, Advice]] = {
         "nonfinite_attention": Advice(
             "NaN/Inf produced inside attention",
@@ -79,9 +85,19 @@ class NonfiniteDetector(Detector):
         ),
     }
 
+    def __init__(self, ctx: DetectorContext) -> None:
+        super().__init__(ctx)
+        self.options = ctx.options(self.kind, NonfiniteOptions)
+
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
-        """Nothing: non-finite steps are decided by `NonfiniteWatch`, which sees the tensors."""
+        """Nothing: non-finite steps are decided by its device part, which sees the tensors."""
         return Observation()
+
+    def device_checks(self, ctx: DeviceContext) -> DeviceChecks:
+        """The device part: `NonfiniteWatch` (the step guard's hooks, and the tracer's with ``per_module``)."""
+        from .watch import NonfiniteWatch
+
+        return NonfiniteWatch(ctx, self.options)
 
     def signature(self, event: Event) -> str:
         """By the pass and module that produced the value (a repeat, the output head, a norm, attention...)."""

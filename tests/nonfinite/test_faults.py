@@ -22,6 +22,7 @@ from zoo import batch, forward_logits, hf_llama, lm_loss, reference_gpt
 
 import stabkit
 from stabkit.detectors import DetectConfig
+from stabkit.nonfinite.watch import NonfiniteWatch
 from stabkit.stats.finite import floating_tensors
 
 TRIALS = 20
@@ -52,13 +53,13 @@ def poison_output(output: Any, value: float, k: int) -> Any:
 class Rig:
     """One model trained step by step with the detectors on (nonfinite -> skip: decided per step)."""
 
-    def __init__(self, build: Callable[[], nn.Module], **detect: Any) -> None:
+    def __init__(self, build: Callable[[], nn.Module], **nonfinite: Any) -> None:
         torch.manual_seed(0)
         self.model = build()
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
         self.modules = dict(self.model.named_modules())
         self.forward_sites, self.grad_sites = self._candidates()
-        detect_cfg = DetectConfig(**{"actions": {"nonfinite": "skip"}, **detect})
+        detect_cfg = DetectConfig(actions={"nonfinite": "skip"}, options={"nonfinite": nonfinite})
         self.mon = stabkit.attach(
             self.model,
             self.opt,
@@ -196,9 +197,8 @@ def rigs() -> dict[str, Rig]:
 def test_backward_replay_with_a_loss_closure_instead_of_a_kept_gradient() -> None:
     targets: dict[str, torch.Tensor] = {}
     rig = Rig(reference_gpt, loss_fn=lambda out, idx: lm_loss(out, targets["y"]))
-    assert (
-        rig.handle.watch is not None and not rig.handle.watch.guard.keep_grad
-    )  # nothing output-sized is kept
+    watch = rig.handle.devices["nonfinite"]  # the device part of the kind (the detectors' extension point)
+    assert isinstance(watch, NonfiniteWatch) and not watch.guard.keep_grad  # nothing output-sized is kept
     rig.step()
     s = rig.mon.global_step
     targets["y"] = batch(s)[1]

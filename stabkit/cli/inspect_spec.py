@@ -3,6 +3,9 @@
 Specs: a reference preset (`tiny`, `small`, `gpt2`, `1b`) or `hf:<name>` for a Hugging Face
 architecture built from its config class defaults. Models are built on the meta device by default
 (shapes and dtypes, no memory, no values), so even a 7B config builds in well under a second.
+
+CLI glue, so it lives here and not in `stabkit.audit`: building a reference preset needs the
+harness, which the library never imports (``tests/harness/test_one_way.py``).
 """
 
 from __future__ import annotations
@@ -14,9 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..audit.core import audit as run_audit
 from ..discovery import inspect_model
 from ..harness.models import GPT, PRESETS, preset_config
-from .core import audit as run_audit
 
 
 def _hf(config_class: str) -> Callable[[], object]:

@@ -1,0 +1,1 @@
+"""Tests of stabkit.harness.training: the loop, its precision and evaluation."""

@@ -1,0 +1,1 @@
+"""Tests of stabkit.nonfinite: NaN/Inf decided on the device, localized by replay."""
