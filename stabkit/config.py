@@ -1,18 +1,22 @@
 """`MonitorConfig`: what `stabkit.attach` measures, how often, and where it writes.
 
 Read once at `attach`; the monitor never changes it afterwards. A leaf: it imports only the other
-leaves (`stabkit.detect_config`, `stabkit.plugins`).
+leaves (`stabkit.detect_config`, `stabkit.plugins`, `stabkit.tables`). `WandbOptions` and
+`MlflowOptions` configure the experiment-tracker sinks (`stabkit.sinks.wandb_sink`,
+`stabkit.sinks.mlflow_sink`); they sit here because `MonitorConfig` holds them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from torch import nn
 
 from .detect_config import DetectConfig
 from .plugins import PROBE_FAMILIES
+from .tables import fill
 
 ModuleSelection = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
@@ -24,6 +28,82 @@ LOG_MODES = ("new", "append", "overwrite")
 """What attach does with a logdir that already holds a run: a new ``run-<n>`` folder, add to it, or clear it."""
 
 DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update", "loss"})
+
+
+WANDB_MODES = (None, "online", "offline", "disabled", "shared")
+"""The values `WandbOptions.mode` takes (None: ``WANDB_MODE``, else online)."""
+
+
+@dataclass
+class WandbOptions:
+    """Where the Weights & Biases sink writes (`MonitorConfig.wandb`; needs ``pip install 'stabkit[wandb]'``).
+    Fields left at None are W&B's own (its ``WANDB_*`` environment variables, then its defaults)."""
+
+    project: str | None = None
+    """W&B project of a run stabkit starts (None: ``WANDB_PROJECT``, else W&B's default)."""
+    entity: str | None = None
+    """W&B team or user (None: ``WANDB_ENTITY``, else your default entity)."""
+    name: str | None = None
+    """Name of a run stabkit starts (None: the logdir's folder name, else a name W&B picks)."""
+    group: str | None = None
+    """W&B group of a run stabkit starts (e.g. one per sweep or recipe)."""
+    tags: tuple[str, ...] = ()
+    """Tags of a run stabkit starts ("stabkit" is always added)."""
+    mode: Literal["online", "offline", "disabled", "shared"] | None = None
+    """W&B mode (None: ``WANDB_MODE``, else online). Offline runs upload later with ``wandb sync``."""
+    dir: str | None = None
+    """Folder for W&B's local files (None: the monitor's logdir when it has one, else ``WANDB_DIR``)."""
+    join: bool = True
+    """Log into the run this process already started (``wandb.run``) instead of starting one. stabkit
+    finishes only a run it started itself."""
+    prefix: str | None = None
+    """Put before every metric name: None = "" in a run stabkit started, "stabkit/" in a joined run
+    (stabkit's ``loss`` then does not mix with yours)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in WANDB_MODES:
+            raise ValueError(f"WandbOptions.mode must be one of {WANDB_MODES}, got {self.mode!r}")
+        self.tags = tuple(self.tags)
+
+
+@dataclass
+class MlflowOptions:
+    """Where the MLflow sink writes (`MonitorConfig.mlflow`; needs ``pip install 'stabkit[mlflow]'``).
+    Fields left at None are MLflow's own (its ``MLFLOW_*`` environment variables, then its defaults)."""
+
+    tracking_uri: str | None = None
+    """Tracking store: ``http(s)://host:port``, ``sqlite:///path/mlflow.db``, ``databricks``, a folder
+    (None: ``MLFLOW_TRACKING_URI``, else MLflow's default — ``sqlite:///mlflow.db`` in MLflow 3)."""
+    experiment: str | None = None
+    """Experiment name of a run stabkit starts, created if missing (None: ``MLFLOW_EXPERIMENT_NAME`` or
+    ``MLFLOW_EXPERIMENT_ID``, else MLflow's "Default")."""
+    name: str | None = None
+    """Name of a run stabkit starts (None: the logdir's folder name, else a name MLflow picks)."""
+    tags: dict[str, str] = field(default_factory=dict)
+    """Tags of a run stabkit starts (``stabkit.logdir`` is added when there is a logdir)."""
+    join: bool = True
+    """Log into the active run (``mlflow.active_run()``, else ``MLFLOW_RUN_ID``) instead of starting
+    one. stabkit ends only a run it started itself."""
+    prefix: str | None = None
+    """Put before every metric name: None = "" in a run stabkit started, "stabkit/" in a joined run."""
+
+
+def tracker_options(value: Any, cls: type[Any], name: str) -> Any:
+    """`MonitorConfig.wandb` / `.mlflow` as an options instance, or None when off: True = defaults, a
+    dict = its fields (checked by `stabkit.tables.fill`: an unknown key or a wrong type is a ValueError
+    naming ``MonitorConfig.<name>.<key>``)."""
+    if value is None or value is False:
+        return None
+    if value is True:
+        return cls()
+    if isinstance(value, cls):
+        return value
+    if isinstance(value, dict):
+        return fill(cls, value, f"MonitorConfig.{name}")
+    raise ValueError(
+        f"MonitorConfig.{name} must be True/False, a dict of {cls.__name__} fields or a {cls.__name__}, "
+        f"got {type(value).__name__}"
+    )
 
 
 @dataclass
@@ -58,6 +138,12 @@ class MonitorConfig:
     """Write a JSONL log of metrics and events (needs a logdir)."""
     console: bool = True
     """Print a one-line summary per log interval and every event to stderr."""
+    wandb: bool | dict[str, Any] | WandbOptions | None = None
+    """Also write to Weights & Biases (`pip install 'stabkit[wandb]'`): True, or a `WandbOptions` (or
+    a dict of its fields: project, name, mode, ...); None/False = off. Joins ``wandb.run`` if there is one."""
+    mlflow: bool | dict[str, Any] | MlflowOptions | None = None
+    """Also write to MLflow (`pip install 'stabkit[mlflow]'`): True, or an `MlflowOptions` (or a dict
+    of its fields: tracking_uri, experiment, name, ...); None/False = off. Joins the active run if any."""
     logdir_mode: str = "new"
     """When the logdir already holds a run: "new" writes into the next free ``<logdir>/run-<n>``
     (said on stderr; see `Monitor.logdir`), "append" adds to it (resuming), "overwrite" deletes its
@@ -104,6 +190,8 @@ class MonitorConfig:
             )
         if self.detect is not None and not isinstance(self.detect, DetectConfig):
             raise ValueError("MonitorConfig.detect must be a stabkit.DetectConfig or None")
+        self.wandb = tracker_options(self.wandb, WandbOptions, "wandb")
+        self.mlflow = tracker_options(self.mlflow, MlflowOptions, "mlflow")
         self.families = frozenset(self.families)
         known = [*FAMILIES, *sorted(PROBE_FAMILIES - set(FAMILIES))]
         unknown = sorted(self.families - set(known))

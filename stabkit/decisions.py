@@ -80,6 +80,14 @@ def _fetch(tensors: list[torch.Tensor], reductions: list[str]) -> list[float]:
     return host_values(tensors, reductions)  # sync point
 
 
+def _output_site(model_map: ModelMap) -> tuple[str, Callable[[Any], Any]] | None:
+    """(path, take) of the module below the root that yields the final logits (`DeviceContext.output_site`)."""
+    where = model_map.logits
+    if where is None or not where.path:
+        return None
+    return where.path, where.take
+
+
 class Decisions:
     """The detectors and actions attached to one Monitor. A context manager; `remove()` is safe twice."""
 
@@ -107,6 +115,8 @@ class Decisions:
                 metrics=lambda: wiring.metrics,
                 report=wiring.report,
                 hooks=wiring.hooks,
+                record=lambda name, value: wiring.recorder.add(name, value, reduction="max"),
+                rewound=self.judge.rewind,
             ),
             wiring.report,
         )
@@ -140,6 +150,7 @@ class Decisions:
             can_replay=not w.distributed,
             muted=w.muted,
             overflowed=w.overflowed,
+            output_site=_output_site(w.model_map),
         )
 
     @property

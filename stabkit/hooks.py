@@ -20,6 +20,7 @@ purpose (interventions) rather than observing it.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -89,6 +90,27 @@ class Registrar:
     def step_post(self, owner: str, optimizer: Any, fn: Callable[..., Any]) -> RemovableHandle:
         """`optimizer.register_step_post_hook`."""
         return self._keep(owner, "optimizer step post-hook", optimizer.register_step_post_hook(fn))
+
+
+_DEFERRED: list[tuple[str, type[Warning]]] = []
+"""Warnings raised by hooks while Dynamo traced them (`hook_warning`), until `flush_hook_warnings`."""
+
+
+def hook_warning(message: str, category: type[Warning] = RuntimeWarning, stacklevel: int = 2) -> None:
+    """Warn from inside a hook: at once in eager mode; under ``torch.compile`` (Dynamo cannot trace
+    ``warnings.warn``: a graph break) the warning is kept and issued by `flush_hook_warnings` at the
+    next `Monitor.step`."""
+    if torch.compiler.is_compiling():
+        _DEFERRED.append((message, category))
+        return
+    warnings.warn(message, category, stacklevel=stacklevel + 1)
+
+
+def flush_hook_warnings() -> None:
+    """Issue the warnings hooks deferred while compiled (at `Monitor.step`, eager)."""
+    while _DEFERRED:
+        message, category = _DEFERRED.pop(0)
+        warnings.warn(message, category, stacklevel=3)
 
 
 DIRECT = Registrar()

@@ -35,7 +35,7 @@ from .discovery import DiscoveryError, ModelMap, inspect_model
 from .discovery.discover import logits_only, needs_first_forward, report_gaps, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
-from .hooks import HookSet
+from .hooks import HookSet, flush_hook_warnings
 from .interventions import Handle
 from .optimizers import OptimizerSet, as_optimizer
 from .plugins import PROBES
@@ -276,6 +276,10 @@ class Monitor:
         if example is not None and model_map is None:
             inspect_model(self.model, example=example)  # trace once now: the interventions reuse the map
         handle = apply_many(self.model, specs, model_map, example)
+        if self.optimizer is not None:  # fixes acting after optimizer steps (qk_clip) watch it
+            from .interventions import attach_optimizer
+
+            attach_optimizer(handle, self.optimizer)
         new = handle.new_parameters()
         if new and self.optimizer is not None:
             self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
@@ -347,8 +351,16 @@ class Monitor:
                 self.detectors.on_step(self._step, committed)
         finally:  # an action may raise InstabilityError: the step still counts and logs still flush
             self._step += 1
+            self._refresh_phase()
+            flush_hook_warnings()
             if self._step % self.config.log_every == 0 or self.flush_every_step:
                 self.flush()
+
+    def _refresh_phase(self) -> None:
+        """The step count changed: the probes' sampling decision follows (`ProbeContext.refresh`)."""
+        context: ProbeContext | None = getattr(self, "context", None)
+        if context is not None:
+            context.refresh()
 
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""
@@ -374,6 +386,7 @@ class Monitor:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output (e.g. when resuming from a checkpoint)."""
         self._step = int(state.get("step", self._step))
+        self._refresh_phase()
         if self.detectors is not None and state.get("detectors"):
             self.detectors.load_state_dict(state["detectors"])
 
@@ -400,6 +413,9 @@ class Monitor:
             if isinstance(self.optimizer, OptimizerSet):
                 self.optimizer.remove()
             forget_compiled_code(warn=False)  # compiled code must not keep calling removed hooks
+            context: ProbeContext | None = getattr(self, "context", None)
+            if context is not None:
+                context.close()
             self.sinks.close()
             lifecycle.unregister(self)
 

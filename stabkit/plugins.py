@@ -149,6 +149,7 @@ ACTIONS: Registry[Any] = Registry(
         "rollback": "stabkit.actions.rollback:Rollback",
         "dump": "stabkit.actions.dump:Dump",
         "rescue": "stabkit.actions.rescue:Rescue",
+        "clip": "stabkit.actions.clip:Clip",
     },
     "name",
 )
@@ -160,6 +161,7 @@ INTERVENTIONS: Registry[Any] = Registry(
     {
         "rmsnorm": "stabkit.interventions.rmsnorm:RMSNormIntervention",
         "norm_placement": "stabkit.interventions.placement:NormPlacementIntervention",
+        "qk_clip": "stabkit.interventions.qkclip:QKClipIntervention",
         "qk_norm": "stabkit.interventions.qknorm:QKNormIntervention",
         "attn_softcap": "stabkit.interventions.softcap:AttnSoftcapIntervention",
         "logit_softcap": "stabkit.interventions.softcap:LogitSoftcapIntervention",

@@ -53,6 +53,12 @@ class ActionContext:
     hooks: Registrar | None = None
     """Where to register hooks an action keeps (the Monitor's `HookSet`, under the action's name: listed
     by `Monitor.describe_hooks`, removed with the detectors); None outside a Monitor."""
+    record: Callable[[str, Any], None] | None = None
+    """Record a 0-d device statistic for the step in progress (``record(name, tensor)``: the Monitor's
+    recorder, logged like the probes' metrics; no host sync); None outside a Monitor."""
+    rewound: Callable[[int], None] = lambda step: None
+    """Tell the detectors that model and optimizer were restored to before step `step` (rollback,
+    rescue): their windows forget what came after it."""
 
 
 class Action:

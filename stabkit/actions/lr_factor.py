@@ -19,8 +19,13 @@ holds the schedule's values. Statistics read inside the step (stabkit's update r
 gradient probe's post-hook, which runs before this one) see the learning rate actually used. A step
 interrupted between the hooks (an exception in a later pre-hook) is repaired at the next pre-hook.
 
-When it runs: the hooks run in every ``optimizer.step()`` while registered; with a factor of 1 they
-change nothing.
+A re-warmup (`rewarm`, the rescue's ``rewarm_steps``) multiplies a second, passing factor in: at the
+k-th optimizer step after it starts, ``start + (1 − start)·k / steps``, until it reaches 1 at step
+`steps` — linear from a fraction back to the schedule, as Marin re-warmed its 32B run over 1000
+steps after switching QK-norm on mid-run. Its progress is counted in the pre-hook.
+
+When it runs: the hooks run in every ``optimizer.step()`` while registered; with a factor of 1 and
+no re-warmup they change nothing.
 """
 
 from __future__ import annotations
@@ -41,6 +46,8 @@ class LRFactor:
         self._scaled: list[tuple[dict[str, Any], Any, Any]] = []
         """(group, the lr it held, the lr written for the step) for the step in progress."""
         self._handles: list[Any] = []
+        self._warm: tuple[int, float, int] | None = None
+        """The re-warmup in progress: (steps, start fraction, steps done), or None."""
 
     def attach(self, hooks: Registrar, owner: str) -> None:
         """Register the step pre- and post-hook through `hooks` (once, at attach: torch refuses a
@@ -63,17 +70,49 @@ class LRFactor:
         self._handles = []
 
     def effective(self) -> list[float]:
-        """The learning rate each group steps with now (its own × the factor)."""
-        return [float(g["lr"]) * self.factor for g in self.optimizer.param_groups]
+        """The learning rate each group steps with now (its own × the factor × the re-warmup's)."""
+        factor = self.factor * self.warm_factor()
+        return [float(g["lr"]) * factor for g in self.optimizer.param_groups]
+
+    # ------------------------------------------------------------------ re-warmup
+    def rewarm(self, steps: int, start: float) -> None:
+        """Start a re-warmup: the next optimizer step runs at `start` × the rate, climbing linearly
+        to the full rate at the `steps`-th step from now (replaces one in progress)."""
+        self._warm = (int(steps), float(start), 0) if steps > 0 else None
+
+    def warm_factor(self, ahead: int = 0) -> float:
+        """The re-warmup's factor for the optimizer step `ahead` steps after the next one (1: none)."""
+        if self._warm is None:
+            return 1.0
+        steps, start, done = self._warm
+        return min(1.0, start + (1.0 - start) * (done + ahead) / steps)
+
+    @property
+    def warming(self) -> bool:
+        """True while a re-warmup is in progress."""
+        return self._warm is not None
+
+    def warm_state(self) -> list[float]:
+        """[steps, start, done] of the re-warmup in progress (for a checkpoint)."""
+        assert self._warm is not None
+        return [float(x) for x in self._warm]
+
+    def load_warm_state(self, state: list[float]) -> None:
+        steps, start, done = state
+        self._warm = (int(steps), float(start), int(done))
 
     def before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """Step pre-hook: scale every group's ``lr`` for this step."""
         self.restore()  # a previous step that never reached its post-hook
-        if self.factor == 1.0:
+        factor = self.factor * self.warm_factor()
+        if self._warm is not None:
+            steps, start, done = self._warm
+            self._warm = (steps, start, done + 1) if done + 1 < steps else None
+        if factor == 1.0:
             return
         for group in self.optimizer.param_groups:
             found = group["lr"]
-            scaled = found * self.factor  # a float, or a tensor (capturable / fused optimizers)
+            scaled = found * factor  # a float, or a tensor (capturable / fused optimizers)
             group["lr"] = scaled
             self._scaled.append((group, found, scaled))
 

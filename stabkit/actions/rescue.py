@@ -4,14 +4,18 @@ On an event whose advice names a fix that can go on mid-run (`midrun_fixes`: the
 interventions with ``midrun = True``, read live from `stabkit.plugins.INTERVENTIONS`), in the step the
 event is decided: restore the newest snapshot taken at or before the step the trouble began (the
 event's ``details["since"]`` when its detector says, else the event's step; like 'rollback';
-snapshots every `DetectConfig.snapshot_every` steps), switch the fix on (with its plug-in's
-`midrun_options`, then `match_at_switch`), add its new parameters to the optimizer (own group, no
-weight decay), lower the learning rate by ``lr_factor`` (see below), and report a ``rescue`` event
-saying exactly what was done (TensorBoard: ``events/rescue``). Before the update the step's own
-update is skipped too.
+snapshots every `DetectConfig.snapshot_every` steps), tell the detectors to forget the steps rolled
+back (`ActionContext.rewound`), switch the fix on (with its plug-in's `midrun_options`, then
+``fix_options[fix]`` over them, then `match_at_switch`; a fix that acts after optimizer steps —
+``qk_clip`` — watches the optimizer from then on, its metrics recorded by the monitor), add its new
+parameters to the optimizer (own group, no weight decay), lower the learning rate by ``lr_factor``
+and re-warm it over ``rewarm_steps`` (see below), and report a ``rescue`` event saying exactly what
+was done (TensorBoard: ``events/rescue``). Before the update the step's own update is skipped too.
 
 How close each fix is to the identity at the switch (measured on the step's kept inputs and
 reported as ``details["output_change"]``, ‖logits after − before‖ / ‖before‖):
+- ``qk_clip`` (the first choice for attention-logit growth): exact — it changes no forward and no
+  weight until a head's max logit passes τ, after the next optimizer step;
 - ``z_loss``: exact — it changes only the gradient (no weight, no output changes);
 - ``logit_softcap`` / ``attn_softcap``: the cap starts at ``cap_margin`` × the newest logged max
   logit (or the fix's default if larger), where ``c·tanh(x/c)`` is within 1 − tanh(½)·2 ≈ 8 % of x
@@ -26,7 +30,10 @@ pre-hook that multiplies every group's ``lr`` by the product of the rescues' fac
 update, and a step post-hook that puts the schedule's value back (`stabkit.actions.lr_factor`): any
 loop and any torch scheduler work on their own values, every update uses schedule × factor, and
 ``details["lr"]`` gives the rates in force after the rescue. The factor is in `state_dict` (a resumed
-run keeps it). The hooks go through the Monitor's hooks (``ctx.hooks``, owner 'rescue': listed by
+run keeps it). ``rewarm_steps`` N > 0 re-warms through the same hooks: the k-th update after a rescue
+runs at ``rewarm_from + (1 − rewarm_from)·k/N`` of the rate (× the factor), back to the full rate
+after N updates (Marin re-warmed its 32B run over 1000 steps after switching QK-norm on mid-run; on
+the tiny recipes a re-warmup as long as the warmup is what made the rescues hold). The hooks go through the Monitor's hooks (``ctx.hooks``, owner 'rescue': listed by
 ``describe_hooks``, removed at detach, after which the optimizer steps at its schedule's rate). A torch scheduler counts the groups it was
 built with: a fix that adds parameters (``qk_norm``) adds a group that a scheduler built before the
 rescue refuses at its next step — with such a scheduler, choose ``fixes`` without new parameters.
@@ -90,7 +97,16 @@ class RescueOptions:
     """Soft caps start at this multiple of the newest logged max logit (or their default, if larger)."""
     fixes: tuple[str, ...] = field(default_factory=midrun_fixes)
     """Fixes a rescue may switch on, in order of preference among those the advice names (default:
-    every mid-run fix registered when the options are made, `midrun_fixes`)."""
+    every mid-run fix registered when the options are made, `midrun_fixes`: qk_clip first)."""
+    fix_options: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Options of a fix at the switch, by fix, over its own mid-run options (e.g.
+    ``{"qk_clip": {"tau": 30.0}}``)."""
+    rewarm_steps: int = field(default=0, metadata=bounds(lo=0))
+    """After each rescue, bring the learning rate back over this many optimizer steps: linearly from
+    `rewarm_from` × the schedule's rate to the schedule's (Marin's 32B run re-warmed over 1000 steps
+    after switching QK-norm on mid-run); 0: none."""
+    rewarm_from: float = field(default=0.1, metadata=bounds(lo=0.0, hi=1.0, lo_open=True))
+    """The fraction of the schedule's rate the re-warmup starts from."""
 
     def __post_init__(self) -> None:
         # the ranges are the fields' `bounds` (checked by DetectConfig); this is the one check they cannot say
@@ -101,6 +117,11 @@ class RescueOptions:
                 f"RescueOptions.fixes {unknown} cannot go on mid-run; choose from {list(allowed)}"
             )
         object.__setattr__(self, "fixes", tuple(self.fixes))
+        stray = sorted(set(self.fix_options) - set(allowed))
+        if stray:
+            raise ValueError(
+                f"RescueOptions.fix_options names {stray}, which cannot go on mid-run; choose from {list(allowed)}"
+            )
 
 
 @ACTIONS.register
@@ -120,7 +141,7 @@ class Rescue(Action):
         self.handles: list[Any] = []
         self.lr = LRFactor(ctx.optimizer) if ctx.optimizer is not None else None
         """The learning-rate factor in force (`stabkit.actions.lr_factor`)."""
-        if self.options.lr_factor != 1:
+        if self.options.lr_factor != 1 or self.options.rewarm_steps:
             self._lr_hooks()
 
     def _lr_hooks(self) -> None:
@@ -196,14 +217,18 @@ class Rescue(Action):
         snap = self.snapshots.newest_before(min(began, event.step))
         if snap is not None:
             self.snapshots.restore(snap)
+            ctx.rewound(snap.step)  # the detectors' windows forget the trajectory rolled back
         inputs = list(ctx.forwards())
         before = _outputs(ctx.model, inputs)
         plugin = INTERVENTIONS.load(fix)()
         options = plugin.midrun_options(ctx.metrics(), self.options.cap_margin)
+        options.update(self.options.fix_options.get(fix, {}))
         from ..interventions import apply
 
         handle = apply(ctx.model, fix, **options)
         self.handles.append(handle)
+        if ctx.optimizer is not None:  # a fix acting after optimizer steps (qk_clip) watches the optimizer
+            plugin.attach_optimizer(handle, ctx.optimizer, ctx.record)
         new = handle.new_parameters()
         plugin.match_at_switch(ctx.model, handle, lambda: _outputs(ctx.model, inputs))
         if new and ctx.optimizer is not None:
@@ -213,6 +238,8 @@ class Rescue(Action):
         self.snapshots = SnapshotStore.for_config(ctx.model, ctx.optimizer, ctx.config)
         after = _outputs(ctx.model, inputs)
         lr = self._scale_lr()
+        if self.lr is not None and self.options.rewarm_steps:
+            self.lr.rewarm(self.options.rewarm_steps, self.options.rewarm_from)
         change = _change(before, after)
         record: dict[str, Any] = {
             "step": event.step,
@@ -224,6 +251,7 @@ class Rescue(Action):
             "output_change": change,
             "lr_factor": self.options.lr_factor,
             "lr": lr,
+            "rewarm_steps": self.options.rewarm_steps,
             "new_parameters": sum(p.numel() for p in new),
         }
         self.done.append(record)
@@ -242,7 +270,12 @@ class Rescue(Action):
                 0.0,
                 f"rescue {len(self.done)}/{self.options.max_rescues} after {signature}: {restored}switched on "
                 f"{fix}{_describe(options)}{moved}"
-                + (f"; learning rate × {self.options.lr_factor:g}" if self.options.lr_factor != 1 else ""),
+                + (f"; learning rate × {self.options.lr_factor:g}" if self.options.lr_factor != 1 else "")
+                + (
+                    f"; learning rate re-warmed from {self.options.rewarm_from:g}× over {self.options.rewarm_steps} steps"
+                    if self.options.rewarm_steps
+                    else ""
+                ),
                 details=dict(record),
             )
         )
@@ -257,7 +290,10 @@ class Rescue(Action):
         return self.lr.effective()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"rescues": [dict(r) for r in self.done]}
+        state: dict[str, Any] = {"rescues": [dict(r) for r in self.done]}
+        if self.lr is not None and self.lr.warming:
+            state["rewarm"] = self.lr.warm_state()
+        return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.done = [dict(r) for r in state.get("rescues", [])]
@@ -265,7 +301,9 @@ class Rescue(Action):
             self.lr.factor = 1.0
             for record in self.done:
                 self.lr.factor *= float(record.get("lr_factor", 1.0))
-            if self.lr.factor != 1:
+            if "rewarm" in state:
+                self.lr.load_warm_state(state["rewarm"])
+            if self.lr.factor != 1 or self.lr.warming:
                 self._lr_hooks()  # between steps (Monitor.load_state_dict): registering is safe
         from ..interventions import active_interventions
 

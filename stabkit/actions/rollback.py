@@ -1,6 +1,6 @@
 """Action 'rollback': restore the newest in-memory snapshot taken at or before the event's step
 (PaLM's recipe) and report which steps' batches were thereby skipped; before the update it also
-skips it. Snapshots are taken every ``snapshot_every`` steps in the step pre-hook of a step whose
+skips it; the detectors forget what they saw of the steps rolled back (`Detector.rewind`). Snapshots are taken every ``snapshot_every`` steps in the step pre-hook of a step whose
 checks passed (`stabkit.actions.snapshots`). Options: `SnapshotOptions`
 (``DetectConfig.options["rollback"]``)."""
 
@@ -34,6 +34,7 @@ class Rollback(Action):
             event.details["rollback"] = "no snapshot taken at or before this step yet"
             return before_update
         self.snapshots.restore(snap)
+        self.ctx.rewound(snap.step)  # the detectors' windows forget the steps rolled back
         event.details["rollback"] = {
             "restored_step": snap.step,
             "skipped_steps": [snap.step, event.step],

@@ -17,6 +17,13 @@ last) sees the call first. Two roles follow:
 
 Hooks run in the forward pass of the attention module; the handlers run where the module calls the
 intercepted function. Nothing here syncs with the device.
+
+Under ``torch.compile`` Dynamo traces the push and the pop (a `TorchFunctionMode`'s ``__enter__`` /
+``__exit__``) and every torch call the module makes while the mode is active goes through the mode's
+``__torch_function__`` at trace time: the handlers' work becomes part of the graph and the compiled
+code carries no mode at all (no per-op cost at run time). Whether the mode is pushed is decided in
+the pre-hook by ``enabled()`` — a stable Python value per step kind (`stabkit.probes.base.StepPhase`),
+so sampled and unsampled forwards are two graphs, each compiled once.
 """
 
 from __future__ import annotations
@@ -72,8 +79,6 @@ class ScopedFunctionMode(TorchFunctionMode):
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if torch.compiler.is_compiling():  # traced by Dynamo (a compiled call inside the module): pass
-            return func(*args, **kwargs)
         handler = self.functions.get(func)
         if handler is None and self.resolve is not None:
             handler = self.resolve(func)
@@ -85,7 +90,11 @@ class ScopedFunctionMode(TorchFunctionMode):
 
 def _pop(mode: TorchFunctionMode) -> None:
     """Pop `mode` from the torch-function mode stack, keeping any modes pushed above it (if a module
-    below pushed a mode and never popped it); when `mode` is not on the stack, nothing changes."""
+    below pushed a mode and never popped it); when `mode` is not on the stack, nothing changes.
+    Traced by Dynamo (which keeps the mode stack itself): the mode's own ``__exit__``."""
+    if torch.compiler.is_compiling():
+        mode.__exit__(None, None, None)
+        return
     above: list[Any] = []
     while torch._C._len_torch_function_stack() > 0:
         top = torch._C._pop_torch_function_stack()

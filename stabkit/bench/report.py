@@ -6,6 +6,10 @@ from .runner import BenchConfig, BenchResult
 
 BUDGET = {"default": 1.03, "full": 1.25}
 """Step-time budget on the CPU reference benchmark (DESIGN.md; issue 7)."""
+COMPILED_BUDGET = {"default": 1.03, "full": 1.15}
+"""Step-time budget against a compiled bare loop (`stabkit bench --compile`; issue 28)."""
+COMPILE_TIME_BUDGET = 1.3
+"""Compile time of the default monitoring against the compiled bare loop's (issue 28)."""
 MEMORY_BUDGET = 0.01
 """Memory overhead budget: fraction of parameters + gradients + optimizer state."""
 
@@ -15,14 +19,18 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
     cfg = result.config
     judged = "CPU-time" if cfg["device"] == "cpu" else "wall-clock"
     shape = "" if cfg.get("seq_len") is None else f" seq_len={cfg['seq_len']} batch={cfg.get('batch')}"
+    compiled = bool(cfg.get("compile"))
+    budget = COMPILED_BUDGET if compiled else BUDGET
     head = (
         f"stabkit bench: size={cfg['size']}{shape} device={cfg['device']} steps={cfg['steps']} "
-        f"repeats={cfg['repeats']} bf16={cfg['bf16']}  (model+grads+optimizer: {result.model_bytes / 2**20:.1f} MiB)"
+        f"repeats={cfg['repeats']} bf16={cfg['bf16']}{' compile=inductor' if compiled else ''}"
+        f"  (model+grads+optimizer: {result.model_bytes / 2**20:.1f} MiB)"
     )
     lines = [
         head,
         f"{'variant':<9} {'median ms':>10} {'min-max ms':>17} {'x bare':>7} {'cpu x':>7} {'noise':>7} {'memory':>20}"
         + (f" {'rss':>10}" if result.memory_rss else "")
+        + (f" {'graphs':>6} {'breaks':>6} {'recomp':>6} {'compile s':>9} {'x bare':>6}" if compiled else "")
         + f"  budget ({judged} ratio)",
     ]
     for name, v in result.variants.items():
@@ -33,15 +41,19 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
         band = result.noise(name)
         band_txt = "-" if band is None or name == "bare" else f"±{band:.3f}"
         verdict = ""
-        if name in BUDGET:
+        if name in budget:
             verdict = (
-                f"time {time_verdict(result.budget_ratio(name), BUDGET[name], band)} (<= {BUDGET[name]:.2f}x)"
+                f"time {time_verdict(result.budget_ratio(name), budget[name], band)} (<= {budget[name]:.2f}x)"
             )
             if mem is not None:
                 verdict += f", memory {memory_verdict(mem, result.model_bytes, noise)}"
+        compile_txt = _compile_columns(result, name) if compiled else ""
+        if compiled and name == "default" and result.compile_ratio(name) is not None:
+            verdict += f", compile {compile_verdict(result)} (<= {COMPILE_TIME_BUDGET:.1f}x)"
         lines.append(
             f"{name:<9} {v.median * 1e3:>10.2f} {min(v.step_times) * 1e3:>8.2f}-{max(v.step_times) * 1e3:<8.2f} "
-            f"{result.ratio(name):>7.3f} {result.cpu_ratio(name):>7.3f} {band_txt:>7} {mem_txt:>20}{rss_txt}  {verdict}"
+            f"{result.ratio(name):>7.3f} {result.cpu_ratio(name):>7.3f} {band_txt:>7} {mem_txt:>20}{rss_txt}"
+            f"{compile_txt}  {verdict}"
         )
     lines.append(
         f"noise: half the spread of the per-round {judged} ratios over {cfg['repeats']} round(s); "
@@ -55,12 +67,54 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
             f"rounds of {BenchConfig.steps} steps{', memory measured' if cpu else ''}) before trusting a "
             "verdict near the budget"
         )
+    if compiled:
+        lines.append(
+            "compiled: torch.compile(model) (Inductor) in every variant; graphs and breaks: Dynamo's counters "
+            "over the warm-up (a sampled and an unsampled step); recomp: graphs compiled during the timed rounds"
+        )
+        if result.compile_method:
+            compile_band = (
+                ""
+                if result.compile_noise is None
+                else f" (noise ±{result.compile_noise:.1f} s: bare measured twice)"
+            )
+            lines.append(f"compile s: {result.compile_method}{compile_band}")
+        else:
+            lines.append("compile s: not measured (--quick)")
+        if not result.memory_method:
+            lines.append("memory: not measured with --compile (run without it)")
     if result.memory_method:
         extra = (
             f"; memory noise ±{_size(noise, sign=False)} (bare measured twice)" if noise is not None else ""
         )
         lines.append(f"memory: {result.memory_method}{extra}")
     return "\n".join(lines)
+
+
+def _compile_columns(result: BenchResult, name: str) -> str:
+    """graphs, breaks, recompiles, compile seconds and their ratio to bare's, for one variant."""
+    v = result.variants[name]
+
+    def num(x: int | None) -> str:
+        return "-" if x is None else str(x)
+
+    secs = "-" if v.compile_s is None else f"{v.compile_s:.1f}"
+    ratio = result.compile_ratio(name)
+    return f" {num(v.graphs):>6} {num(v.breaks):>6} {num(v.recompiles):>6} {secs:>9} {'-' if ratio is None else f'{ratio:.2f}':>6}"
+
+
+def compile_verdict(result: BenchResult) -> str:
+    """'ok' within `COMPILE_TIME_BUDGET`, 'within noise' when only bare's compile-time noise could put
+    the default variant over, else 'OVER'."""
+    ratio = result.compile_ratio("default")
+    bare = result.variants["bare"].compile_s
+    if ratio is None or not bare:
+        return "-"
+    if ratio <= COMPILE_TIME_BUDGET:
+        return "ok"
+    if result.compile_noise is not None and ratio - result.compile_noise / bare <= COMPILE_TIME_BUDGET:
+        return "within noise"
+    return "OVER"
 
 
 def time_verdict(ratio: float, budget: float, band: float | None) -> str:

@@ -5,6 +5,13 @@ Variants (same seed, same batches, same model init): ``bare`` (no stabkit), ``de
 every step, exact attention statistics), ``anomaly`` (`torch.autograd.detect_anomaly`, a peer).
 Repetitions are interleaved (the variant order rotates each round) so that machine noise hits
 every variant alike; the figure per variant is the median over rounds of the mean step time.
+
+With ``compile`` (`stabkit bench --compile`) every variant runs ``torch.compile(model)`` (Inductor)
+and the monitors attach before anything is compiled (attach resets Dynamo's caches when code was
+compiled before); Dynamo guards on module hooks there, so each variant's model gets its own graphs. Per variant, Dynamo's counters give the graphs compiled and the graph breaks met
+during the warm-up (which runs a sampled and an unsampled step) and the recompiles during the timed
+rounds (0: the set of graphs is fixed after warm-up); `stabkit.bench.compiled` measures the compile
+time itself in a fresh process per variant.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from ..harness.models import GPT, PRESET_BATCH, GPTConfig, preset_config
 from ..monitor import Monitor, attach
 
 VARIANTS = ("bare", "default", "full", "anomaly")
+COMPILED_VARIANTS = ("bare", "default", "full")
+"""The variants of ``--compile`` (detect_anomaly is an eager-mode peer)."""
 
 QUICK = {"steps": 10, "repeats": 3, "warmup": 2}
 """`stabkit bench --quick`: shorter, fewer rounds (about a minute for `small` on a CPU) and no memory
@@ -67,6 +76,8 @@ class BenchConfig:
     seed: int = 0
     quick: bool = False
     """Quick mode (`QUICK`): the table says its noise band is wider and memory was not measured."""
+    compile: bool = False
+    """Every variant trains ``torch.compile(model)``; graphs, breaks, recompiles and compile time reported."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
@@ -82,6 +93,13 @@ class BenchConfig:
             raise ValueError(f"bench: unknown variant(s) {sorted(unknown)}; allowed: {list(VARIANTS)}")
         if "bare" not in self.variants:
             self.variants = ("bare", *self.variants)
+        if self.compile and "anomaly" in self.variants:
+            if self.variants == VARIANTS:  # the default list: the compiled variants
+                self.variants = COMPILED_VARIANTS
+            else:
+                raise ValueError(
+                    "bench: --compile runs bare, default and full (anomaly is an eager-mode peer)"
+                )
 
 
 @dataclass
@@ -95,6 +113,14 @@ class VariantResult:
     """Mean process CPU time per step of each round (robust to other processes on a shared machine)."""
     peak_bytes: int | None = None
     """CUDA max allocated during the variant's rounds."""
+    graphs: int | None = None
+    """Compiled: Dynamo graphs compiled during the warm-up (a sampled and an unsampled step)."""
+    breaks: int | None = None
+    """Compiled: graph breaks Dynamo met during the warm-up."""
+    recompiles: int | None = None
+    """Compiled: graphs compiled during the timed rounds, after warm-up (0 expected)."""
+    compile_s: float | None = None
+    """Compiled: CPU seconds of compiling every graph, cold (`stabkit.bench.compiled`)."""
 
     @property
     def median(self) -> float:
@@ -118,6 +144,14 @@ class BenchResult:
     memory_method: str = ""
     memory_rss: dict[str, int | None] = field(default_factory=dict)
     """CPU only: peak RSS delta per variant (counts Python objects too), shown beside `memory`."""
+    compile_noise: float | None = None
+    """Compiled: |bare − bare again| of the compile CPU seconds (None when not measured twice)."""
+    compile_method: str = ""
+
+    def compile_ratio(self, name: str) -> float | None:
+        """Compile time against bare's (None when not measured)."""
+        mine, bare = self.variants[name].compile_s, self.variants["bare"].compile_s
+        return None if mine is None or not bare else mine / bare
 
     def ratio(self, name: str) -> float:
         """Wall-clock ratio of medians against bare."""
@@ -162,10 +196,20 @@ class BenchResult:
                     None if self.memory.get(name) is None else self.memory[name] / self.model_bytes  # type: ignore[operator]
                 ),
             }
+            if self.config.get("compile"):
+                rows[name].update(
+                    graphs=v.graphs,
+                    graph_breaks=v.breaks,
+                    recompiles=v.recompiles,
+                    compile_cpu_s=v.compile_s,
+                    compile_ratio_to_bare=self.compile_ratio(name),
+                )
         return {
             "config": self.config,
             "model_bytes": self.model_bytes,
             "memory_method": self.memory_method,
+            "compile_method": self.compile_method,
+            "compile_noise_s": self.compile_noise,
             "variants": rows,
         }
 
@@ -183,6 +227,8 @@ class _Trainer:
         self.bf16 = cfg.bf16
         self.cursor = 0
         self.monitor: Monitor | None = None
+        self.forward: Any = torch.compile(self.model) if cfg.compile else self.model
+        """What the loop calls: the model, or ``torch.compile(model)`` (monitors attach to the model)."""
 
     def run(self, steps: int, anomaly: bool = False) -> None:
         ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
@@ -195,7 +241,7 @@ class _Trainer:
                 x, y = self.batches[self.cursor % len(self.batches)]
                 self.cursor += 1
                 with _autocast(self.device, self.bf16):
-                    logits = self.model(x)
+                    logits = self.forward(x)
                 loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
@@ -222,6 +268,24 @@ def _autocast(device: torch.device, bf16: bool) -> Iterator[None]:
             yield
     else:
         yield
+
+
+def _separate_compiled_models(cfg: BenchConfig) -> contextlib.AbstractContextManager[Any]:
+    """Compiled variants in one process: make Dynamo guard on module hooks. By default it does not
+    (``skip_nnmodule_hook_guards``), and the variants' models share one class, so a monitored model
+    would run the graph compiled for the bare one — without its hooks. Costs every variant alike."""
+    if not cfg.compile:
+        return contextlib.nullcontext()
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(skip_nnmodule_hook_guards=False)
+
+
+def dynamo_counts() -> tuple[int, int]:
+    """(graphs compiled, graph breaks met) so far in this process, from Dynamo's counters."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0)), int(sum(counters["graph_break"].values()))
 
 
 def model_config(cfg: BenchConfig) -> GPTConfig:
@@ -269,14 +333,20 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     batches = make_batches(cfg)
     results = {name: VariantResult(name) for name in cfg.variants}
     trainers = {name: _Trainer(cfg, batches) for name in cfg.variants}
-    with tempfile.TemporaryDirectory(prefix="stabkit-bench-") as tmp:
-        for name, tr in trainers.items():
-            if progress is not None:
-                progress.begin(f"warm-up {name}")
+    with tempfile.TemporaryDirectory(prefix="stabkit-bench-") as tmp, _separate_compiled_models(cfg):
+        for name, tr in trainers.items():  # every monitor before anything compiles (attach resets Dynamo)
             mcfg = monitor_config(name)
             if mcfg is not None:
                 tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
+        for name, tr in trainers.items():
+            if progress is not None:
+                progress.begin(f"warm-up {name}")
+            before = dynamo_counts() if cfg.compile else None
             tr.run(cfg.warmup, anomaly=name == "anomaly")
+            if before is not None:
+                graphs, breaks = dynamo_counts()
+                results[name].graphs, results[name].breaks = graphs - before[0], breaks - before[1]
+                results[name].recompiles = 0
             if progress is not None:
                 progress.update(cfg.warmup)
         order = list(cfg.variants)
@@ -290,6 +360,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                     if cfg.device == "cuda":
                         torch.cuda.synchronize()
                         torch.cuda.reset_peak_memory_stats()
+                    before = dynamo_counts() if cfg.compile else None
                     start, cpu_start = time.perf_counter(), time.process_time()
                     tr.run(cfg.steps, anomaly=name == "anomaly")
                     if cfg.device == "cuda":
@@ -298,6 +369,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
                         results[name].peak_bytes = max(results[name].peak_bytes or 0, peak)
                     results[name].step_times.append((time.perf_counter() - start) / cfg.steps)
                     results[name].cpu_times.append((time.process_time() - cpu_start) / cfg.steps)
+                    if before is not None:
+                        results[name].recompiles = (
+                            (results[name].recompiles or 0) + dynamo_counts()[0] - before[0]
+                        )
                     if progress is not None:
                         progress.update(cfg.steps)
         finally:

@@ -46,6 +46,14 @@ SIZES = ("tiny", "small", "gpt2", "1b")
 @click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, help="Comma-separated.")
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
 @click.option(
+    "--compile",
+    "compiled",
+    is_flag=True,
+    help="Compiled bare against compiled monitored (torch.compile, Inductor; variants bare,default,full): "
+    "graphs compiled, graph breaks, recompiles after warm-up and compile time (a fresh process per "
+    "variant, cold cache) in the table.",
+)
+@click.option(
     "--quick",
     is_flag=True,
     help="About a minute (size small, CPU): fewer, shorter rounds and no memory phase; the table "
@@ -63,10 +71,12 @@ def bench(
     bf16: bool,
     variants: str,
     no_memory: bool,
+    compiled: bool,
     quick: bool,
     json_path: str | None,
 ) -> None:
-    """Time a bare loop against stabkit's default and full-detail monitoring and detect_anomaly."""
+    """Time a bare loop against stabkit's default and full-detail monitoring and detect_anomaly
+    (with --compile: all under torch.compile)."""
     loading = time.perf_counter()
     import torch
 
@@ -87,12 +97,23 @@ def bench(
         seq_len=seq_len,
         variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
         quick=quick,
+        compile=compiled,
     )
     label = f"timing {cfg.repeats} rounds x {len(cfg.variants)} variants"
     with Phase(label, total_steps(cfg), unit="steps") as phase:
         result = run_bench(cfg, progress=phase)
     noise = None
-    if device == "cpu" and not no_memory and not quick:
+    if compiled and not quick:
+        from ..bench.compiled import compile_plan, measure_compile
+
+        runs = compile_plan(cfg)
+        click.echo(
+            f"compile time: {len(runs)} fresh processes, one per variant (bare twice), each compiling cold",
+            err=True,
+        )
+        with Phase("compile", len(runs), unit="processes", log_units=True) as phase:
+            measure_compile(cfg, result, progress=phase)
+    if device == "cpu" and not no_memory and not quick and not compiled:
         clock = ProcessClock(cfg, {n: v.median for n, v in result.variants.items()}, startup)
         plan = memory_plan(cfg)
         click.echo(

@@ -160,6 +160,12 @@ class Detector:
         """The key of `advice` that fits `event` (the first row by default)."""
         return next(iter(self.advice))
 
+    def rewind(self, step: int) -> None:
+        """Model and optimizer were restored to their state before step `step` (the actions
+        'rollback' and 'rescue'): forget the values of later steps, which describe a trajectory that
+        no longer exists (a drift window still full of the growth rolled back would report it again
+        at once). Default: nothing (a detector of single values, or one whose state is per event)."""
+
     def device_checks(self, ctx: DeviceContext) -> DeviceChecks | None:
         """The extension point for a kind that must see tensors (`stabkit.detectors.device`): its
         device part, built once at attach from the narrow device-side `ctx`; None (the default) for a

@@ -73,6 +73,10 @@ class DeviceContext:
     overflowed: Callable[[], bool] | None = None
     """With an enabled fp16 GradScaler: whether this step's update was skipped (read at `Monitor.step`);
     None without one."""
+    output_site: tuple[str, Callable[[Any], Any]] | None = None
+    """(path, take) of the module whose output holds the model's final logits, when discovery found
+    one below the root (`ModelMap.logits`; `take(output)` reads them), else None. A check of the
+    model output hooks there under torch.compile (a root hook with tensor work is a graph of its own)."""
 
     @property
     def scaled(self) -> bool:

@@ -16,6 +16,11 @@ and the fitted change over the window is at least the rule's minimum:
 | ``logits/logz_mean`` | \\|log Z − log V\\| | ``logz_level`` (10 nats) | ``logz_change`` nats | output-logit divergence (Wortsman §3.1.2); log V is log Z at zero logits |
 | ``act/<block>/rms`` | log value | ``residual_level`` × its first values | ×(1 + ``residual_growth``) | residual growth (Rybakov: >2× in diverging runs) |
 
+With ``qk_clip`` on an attention module (seen from its series ``qk_clip/<attn>/max_logit``, the exact
+*signed* max), the module's logit drift is no longer judged: QK-Clip holds its largest logit at τ
+after every step, and the sampled max |logit| there can only grow through logits growing more
+negative (keys left unattended) — a drift event would name the fix that is already on.
+
 After an event a series stays quiet for one window, so a drift is reported once per window.
 The levels keep early-training growth from init (attention logits ~3 → ~10) silent.
 """
@@ -95,8 +100,8 @@ class DriftDetector(Detector):
     advice: ClassVar[dict[str, Advice]] = {
         "attn_logit_growth": Advice(
             "max attention logit keeps growing",
-            ("qk_norm", "attn_softcap"),
-            "normalise q and k (ViT-22B; Wortsman et al. 2023: runs above 1e4 diverged) or soft-cap attention logits at 50 (Gemma 2)",
+            ("qk_clip", "qk_norm", "attn_softcap"),
+            "clip the heads past a threshold on their q/k weights after each step (QK-Clip, Kimi K2: tau 100), normalise q and k (ViT-22B; Wortsman et al. 2023: runs above 1e4 diverged) or soft-cap attention logits at 50 (Gemma 2)",
         ),
         "logz_drift": Advice(
             "log Z drifts away from log V",
@@ -121,9 +126,10 @@ class DriftDetector(Detector):
         log_v = ctx.log_vocab
         self.rules: dict[str, DriftRule] = {}
         for path in ctx.attention_paths:
-            self.rules[f"attn/{path}/max_logit"] = DriftRule(
-                "attn_logit", "log", c.attn_logit_level, c.attn_logit_growth
-            )
+            for name in (f"attn/{path}/max_logit", f"qk_clip/{path}/max_logit"):
+                self.rules[name] = DriftRule("attn_logit", "log", c.attn_logit_level, c.attn_logit_growth)
+        self.clipped: set[str] = set()
+        """Attention modules with qk_clip on: their logit drift is not judged (see the module docstring)."""
         self.rules["logits/logz_mean"] = DriftRule("logz", "offset", c.logz_level, c.logz_change, log_v)
         for path in ctx.block_paths:
             self.rules[f"act/{path}/rms"] = DriftRule(
@@ -152,6 +158,11 @@ class DriftDetector(Detector):
         """Consume value `x` of series `name` at `step`; a drift event or None."""
         rule = self.rules.get(name)
         if rule is None or not math.isfinite(x):
+            return None
+        if name.startswith("qk_clip/"):
+            self.clipped.add(name[len("qk_clip/") : -len("/max_logit")])
+            return None
+        if rule.family == "attn_logit" and name[len("attn/") : -len("/max_logit")] in self.clipped:
             return None
         s = self.series.get(name)
         if s is None:
@@ -233,6 +244,15 @@ class DriftDetector(Detector):
             )
             details["offset"] = end
         return Event(step, "drift", name, last, level, f"{name} {what}", details=details)
+
+    def rewind(self, step: int) -> None:
+        """Forget every window value from `step` on, and the cooldowns (the first values and the log
+        Z reference stay: they describe the run's start, which the rollback kept)."""
+        for s in self.series.values():
+            kept = [(t, v) for t, v in s.window if t < step]
+            s.window.clear()
+            s.window.extend(kept)
+            s.quiet_until = 0
 
     def state_dict(self) -> dict[str, Any]:
         """Plain state: windows, first values, cooldowns, and the log Z reference."""

@@ -12,7 +12,11 @@ slowly; a collapse is a *fall* — so the rule needs both, on ``attn/<module>/mi
              and, in the `window` values before them, the series stood at ≥ `healthy`
              and fell by at least the fraction `drop` of that high point.
 
-One event per collapse: the series re-arms once it climbs back above `healthy`. Runs when the
+One event per collapse: the series re-arms once it climbs back above `healthy`. In a module with
+``qk_clip`` on (seen from its ``qk_clip/<module>/max_logit`` series) a collapse is its own signature,
+``attn_entropy_collapse_clipped``, whose advice names no mid-run fix: QK-Clip already holds that
+module's largest logit at τ, and the collapse comes from the other logits falling away below it (a
+rescue neither acts on it again nor counts it as its own failure). Runs when the
 detectors consume values (see `stabkit.detectors.base`). Options: `EntropyOptions`
 (``DetectConfig.options["attn_entropy"]``). Pure Python; checkpointable.
 """
@@ -57,13 +61,20 @@ class EntropyCollapseDetector(Detector):
 
     kind = "attn_entropy"
     options_class = EntropyOptions
-    watches = ("attn/*/min_head_entropy",)
+    watches = ("attn/*/min_head_entropy", "qk_clip/*/max_logit")
     advice: ClassVar[dict[str, Advice]] = {
         "attn_entropy_collapse": Advice(
             "attention entropy collapses (a head turns one-hot fast)",
-            ("qk_norm", "attn_softcap"),
-            "the attention logits grew: normalise q and k (ViT-22B) or soft-cap the logits at 50 (Gemma 2); "
+            ("qk_clip", "qk_norm", "attn_softcap"),
+            "the attention logits grew: clip the heads past a threshold on their q/k weights (QK-Clip, Kimi K2), "
+            "normalise q and k (ViT-22B) or soft-cap the logits at 50 (Gemma 2); "
             "σReparam bounds the logits' spectral norm (Zhai et al. 2023); lowering the LR also helps",
+        ),
+        "attn_entropy_collapse_clipped": Advice(
+            "attention entropy collapses where QK-Clip holds the max logit at tau",
+            (),
+            "QK-Clip bounds the largest logit, not how far the others fall below it: a lower tau, or "
+            "qk_norm from the start (it bounds every logit), keeps attention spread; lowering the LR also helps",
         ),
     }
 
@@ -73,12 +84,21 @@ class EntropyCollapseDetector(Detector):
         self.recent: dict[str, deque[tuple[int, float]]] = {}
         """Per series, the last `window + persist` (step, value) pairs."""
         self.armed: dict[str, bool] = {}
+        self.clipped: set[str] = set()
+        """Attention modules with qk_clip on (their collapses: `attn_entropy_collapse_clipped`)."""
+
+    def signature(self, event: Event) -> str:
+        """attn_entropy_collapse, or attn_entropy_collapse_clipped in a module under qk_clip."""
+        return "attn_entropy_collapse_clipped" if event.details.get("clipped") else "attn_entropy_collapse"
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """An event for each series that has just collapsed."""
         events = []
         o = self.options
         for name, x in values.items():
+            if name.startswith("qk_clip/"):
+                self.clipped.add(name.removeprefix("qk_clip/").removesuffix("/max_logit"))
+                continue
             if x != x:  # NaN: the non-finite detector's business
                 continue
             recent = self.recent.setdefault(name, deque(maxlen=o.window + o.persist))
@@ -108,8 +128,23 @@ class EntropyCollapseDetector(Detector):
             o.low,
             f"attention entropy collapsed in {module}: its lowest head entropy fell from {high:.3g} to "
             f"{x:.3g} nats within {span + o.persist} sampled steps and stayed ≤ {o.low:g} for {o.persist}",
-            details={"series": name, "high": high, "low": o.low, "module": module, "since": since},
+            details={
+                "series": name,
+                "high": high,
+                "low": o.low,
+                "module": module,
+                "since": since,
+                "clipped": module in self.clipped,
+            },
         )
+
+    def rewind(self, step: int) -> None:
+        """Forget the values from `step` on and arm every series again."""
+        for name, recent in self.recent.items():
+            kept = [(t, v) for t, v in recent if t < step]
+            recent.clear()
+            recent.extend(kept)
+            self.armed[name] = True
 
     def state_dict(self) -> dict[str, Any]:
         """The recent values and arming of each series."""

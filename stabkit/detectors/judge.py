@@ -87,6 +87,13 @@ class Judge:
             row.update(extra)
         return events
 
+    def rewind(self, step: int) -> None:
+        """Model and optimizer were restored to before step `step` (rollback, rescue): every
+        detector forgets what it saw after it (`Detector.rewind`)."""
+        for det in self.detectors.values():
+            det.rewind(step)
+        self._reported = {s: k for s, k in self._reported.items() if s < step}
+
     def advise(self, event: Event) -> Event:
         """Fill the event's advice from the detector of its kind (none for an unknown kind)."""
         det = self.detectors.get(event.kind)

@@ -43,6 +43,13 @@ class RollingWindow:
             self._sum = math.fsum(self.values)
             self._sq = math.fsum(v * v for v in self.values)
 
+    def drop_newest(self, n: int) -> None:
+        """Forget the `n` newest values (a rollback undid the steps that pushed them)."""
+        for _ in range(min(n, len(self.values))):
+            self.values.pop()
+        self._sum = math.fsum(self.values)
+        self._sq = math.fsum(v * v for v in self.values)
+
     def mean_std(self) -> tuple[float, float]:
         """Mean and (population) standard deviation of the window."""
         n = len(self.values)

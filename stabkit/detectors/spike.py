@@ -85,6 +85,9 @@ class SeriesState:
     score_window: RollingWindow
     scored: int = 0
     flagged: int = 0
+    steps: list[int] = field(default_factory=list)
+    """Steps of the values pushed since the last rewind (newest last; kept as long as the score
+    window), so that a rollback can take back exactly the values of the steps it undid."""
 
     @property
     def score(self) -> float:
@@ -176,7 +179,20 @@ class SpikeDetector(Detector):
             score = state.score
         state.window.push(x)
         state.score_window.push(x)
+        state.steps.append(step)
+        if len(state.steps) > 2 * max(o.window, o.score_window):
+            del state.steps[: -max(o.window, o.score_window)]
         return event, score
+
+    def rewind(self, step: int) -> None:
+        """Take back every value pushed at `step` or later from the windows (the rolled-back steps'
+        losses and norms describe a trajectory that no longer exists)."""
+        for state in self.series.values():
+            n = sum(1 for s in state.steps if s >= step)
+            if n:
+                state.window.drop_newest(n)
+                state.score_window.drop_newest(n)
+                del state.steps[-n:]
 
     def _judge(self, step: int, name: str, x: float, state: SeriesState) -> Event | None:
         o = self.options

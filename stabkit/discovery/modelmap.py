@@ -27,6 +27,27 @@ OPAQUE = "opaque"
 
 
 @dataclass
+class QKPart:
+    """The head-dim positions of a query or key that one projection makes, when q or k is built from
+    several projections (latent attention, MLA: a "nope" part per head and a rotary part shared by
+    the heads)."""
+
+    source: str
+    """The projection: a module path (its output), or a parameter name when `weight` is True."""
+    dims: list[int]
+    """Positions along the head dim this part makes."""
+    columns: list[list[int]]
+    """Per head (query heads for q; key heads as the call sees them for k), the output features of
+    `source` that make `dims`, in `dims` order."""
+    weight: bool = False
+    """`source` is a parameter used by a projection op inside a forward (no module outputs it)."""
+    axis: int | None = None
+    """With `weight`: the parameter's axis indexing the output features (None: unknown)."""
+    shared: bool = False
+    """Every head reads the same features (MLA's rotary key)."""
+
+
+@dataclass
 class AttentionMap:
     """One attention module and its projections."""
 
@@ -69,6 +90,15 @@ class AttentionMap:
     q_site: str | None = None
     """The module whose forward makes the q projection op (with `q_weight`)."""
     k_site: str | None = None
+    q_weight_axis: int | None = None
+    """Traced: the axis of `q_weight` indexing the op's output features (None: unknown)."""
+    k_weight_axis: int | None = None
+    q_parts: list[QKPart] | None = None
+    """Traced, when q or k is made from several projections (MLA): q by part — one per (q projection,
+    k part) pair, so each q part meets one key part (its `dims`)."""
+    k_parts: list[QKPart] | None = None
+    """Traced, with `q_parts`: k by projection (MLA: the per-head "nope" rows of ``kv_b_proj`` and the
+    shared rotary rows of ``kv_a_proj_with_mqa``)."""
     qk_note: str = ""
     """Why q/k rows are unknown, when they are."""
     qk_mixed: bool = False
@@ -274,6 +304,9 @@ class ModelMap:
                 return None
             return f"{prefix}.{path}" if path else prefix
 
+        def part(p: QKPart) -> QKPart:
+            return replace(p, source=j(p.source) or prefix)
+
         def attn(a: AttentionMap | None) -> AttentionMap | None:
             if a is None:
                 return None
@@ -287,6 +320,12 @@ class ModelMap:
                 out=j(a.out),
                 qk_norm=j(a.qk_norm),
                 output=j(a.output),
+                q_weight=j(a.q_weight),
+                k_weight=j(a.k_weight),
+                q_site=j(a.q_site) if a.q_site is not None else None,
+                k_site=j(a.k_site) if a.k_site is not None else None,
+                q_parts=[part(p) for p in a.q_parts] if a.q_parts is not None else None,
+                k_parts=[part(p) for p in a.k_parts] if a.k_parts is not None else None,
             )
 
         blocks = []

@@ -102,6 +102,10 @@ class Projection:
     """Id of the tensor handed back to the model."""
     leaf: torch.Tensor
     """Autograd leaf holding the op's output values (the model got a clone of it)."""
+    axis: int | None = None
+    """The axis of the parameter that indexes the op's output features (``F.linear``: 0; ``x @ W``,
+    HF Conv1D's ``addmm``: the last; an einsum: the axis of the output's last index), when the
+    operand is the parameter itself; None when it is made from it (``W.T``) or cannot be told."""
 
 
 @dataclass
@@ -232,6 +236,27 @@ def first_tensor_in(value: Any) -> torch.Tensor | None:
     return next((v for v in items if isinstance(v, torch.Tensor)), None)
 
 
+def _weight_axis(kind: str, args: tuple[Any, ...], weight: torch.Tensor, first: bool) -> int | None:
+    """The axis of projection operand `weight` (a parameter) that indexes the output features;
+    `first`: the weight is the first operand. None when it cannot be told."""
+    if kind == "linear":
+        return 0 if weight.dim() == 2 else None
+    if kind == "einsum":
+        m = _EINSUM_TERM.match(str(args[0]).replace(" ", ""))
+        if m is None:
+            return None
+        lhs, rhs, res = m.groups()
+        term = lhs if first else rhs
+        return (
+            term.index(res[-1])
+            if res and res[-1] in term and res[-1] not in (rhs if first else lhs)
+            else None
+        )
+    if first or weight.dim() < 2:
+        return None
+    return weight.dim() - 1  # x @ W, addmm(bias, x, W), baddbmm: W's last axis
+
+
 _EINSUM_TERM = re.compile(r"^\s*([\w.]+)\s*,\s*([\w.]+)\s*->\s*([\w.]+)\s*$")
 
 
@@ -345,8 +370,9 @@ class _Recorder(TorchFunctionMode):
         leaf = out.detach().requires_grad_(True)
         handed = leaf.clone()
         name = self.param_names.get(id(weight), self._param_source(weight))
+        axis = _weight_axis(kind, args, weight, a_param) if id(weight) in self.param_names else None
         self.trace.projections.append(
-            Projection(index, name, self.stack[-1] if self.stack else "", id(act), id(handed), leaf)
+            Projection(index, name, self.stack[-1] if self.stack else "", id(act), id(handed), leaf, axis)
         )
         return handed
 

@@ -8,13 +8,15 @@ Runs once at discovery time, used by `trace_map`, `trace_units` and `trace_logit
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
+import torch
 from torch import nn
 
-from .modelmap import AttentionMap, NormMap
+from .modelmap import AttentionMap, NormMap, QKPart
 from .roles import OUT_NAMES, V_NAMES, child, is_norm, map_attention, norm_kind
 from .trace import AttentionCall, ModuleCall, Projection, Trace, is_add
-from .trace_heads import HeadSource, head_source
+from .trace_heads import HeadPart, HeadSource, head_parts, head_source
 
 _PRE = NormMap("", "", "", "pre")
 
@@ -116,6 +118,8 @@ class TraceBuilder:
         amap.n_kv_heads = int(call.k.shape[1])
         q_src, k_src = self.source(call, "q"), self.source(call, "k")
         self._projections(amap, q_src, k_src)
+        if q_src is not None and k_src is not None and (q_src.parts or k_src.parts):
+            self._parts(amap, call, q_src, k_src)
         if k_src is not None and k_src.projection is not None:
             amap.n_kv_heads = k_src.distinct_heads
             if k_src.plain and amap.k_columns:
@@ -145,12 +149,45 @@ class TraceBuilder:
         elif q_mod is None or k_mod is None:  # projection ops inside a forward: known by their weights
             amap.q_weight, amap.q_site = q.projection.param, q.projection.module
             amap.k_weight, amap.k_site = k.projection.param, k.projection.module
+            amap.q_weight_axis, amap.k_weight_axis = q.projection.axis, k.projection.axis
         if q_mod is not None and q_mod == k_mod and q.projection.index == k.projection.index:
             amap.qkv = q_mod
             amap.qkv_layout = _layout(q.columns, k.columns)
         else:
             amap.q, amap.k = q_mod, k_mod
         amap.q_columns, amap.k_columns = q.columns, k.columns
+
+    def _parts(self, amap: AttentionMap, call: AttentionCall, q: HeadSource, k: HeadSource) -> None:
+        """q and k by part when either is made from several projections (MLA); nothing when a part
+        cannot be told (`stabkit.discovery.trace_heads.head_parts`)."""
+        q_parts = q.parts or self._single_parts(call.q, q)
+        k_parts = k.parts or self._single_parts(call.k, k)
+        if not q_parts or not k_parts:
+            return
+        amap.k_parts = [self._part(p, p.dims, list(range(len(p.dims))), p.shared) for p in k_parts]
+        pieces: list[QKPart] = []
+        for qp in q_parts:
+            for kp in k_parts:
+                keep = [i for i, d in enumerate(qp.dims) if d in set(kp.dims)]
+                if keep:
+                    pieces.append(self._part(qp, [qp.dims[i] for i in keep], keep, False))
+        amap.q_parts = pieces
+
+    def _single_parts(self, x: Any, source: HeadSource) -> list[HeadPart] | None:
+        """The one part of a plain single-projection source (its head-dim positions read as in
+        `head_parts`)."""
+        if x is None or source.projection is None or not source.plain:
+            return None
+        noise = torch.ones(x.shape[1], x.shape[3], device=x.device, dtype=x.dtype)
+        return head_parts(x, [source.projection], noise)
+
+    def _part(self, part: HeadPart, dims: list[int], keep: list[int], shared: bool) -> QKPart:
+        proj = part.projection
+        module = self.module_output_of(proj)
+        columns = [[cols[i] for i in keep] for cols in part.columns]
+        if module is not None:
+            return QKPart(module, dims, columns, shared=shared)
+        return QKPart(proj.param, dims, columns, weight=True, axis=proj.axis, shared=shared)
 
     def _out_projection(self, call: AttentionCall, scope: str, block: str) -> str | None:
         """The first projection after the call inside the attention scope (or the block, inline)."""

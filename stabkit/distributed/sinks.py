@@ -1,4 +1,5 @@
-"""Only rank 0 writes: the sinks each rank gets at `attach`, and the host-side finishing of rows.
+"""Only rank 0 writes: the sinks each rank gets at `attach` (files, console, W&B, MLflow), and the
+host-side finishing of rows.
 
 Statistics and the events decided from them (spikes, drift, agreed non-finite steps) are the
 same on every rank after the reduction, so rank 0's files say it all. A non-finite step is
@@ -51,12 +52,16 @@ class RankEventEcho:
 
 
 def rank_sinks(logdir: str | Path | None, config: MonitorConfig, ctx: DistContext) -> SinkSet:
-    """The sinks of this rank (built at `attach`): all of them on the writing rank, in the folder
-    `MonitorConfig.logdir_mode` picks (`SinkSet.logdir`); an event echo on the others."""
+    """The sinks of this rank (built at `attach`): all of them on the writing rank — the file sinks
+    in the folder `MonitorConfig.logdir_mode` picks (`SinkSet.logdir`), the experiment trackers
+    (`MonitorConfig.wandb`, `.mlflow`) switched on — and an event echo on the others (one W&B or
+    MLflow run per job, under DDP, FSDP2 and tensor parallelism alike)."""
     if ctx.writes:
-        return SinkSet(
+        sinks = SinkSet(
             logdir, config.tensorboard, config.jsonl, config.console, config.logdir_mode, config.strict
         )
+        sinks.add_trackers(config, logdir)
+        return sinks
     sinks = SinkSet(None, tensorboard=False, jsonl=False, console=False)
     if config.console:
         sinks.files.append(RankEventEcho(ctx.rank))

@@ -9,7 +9,15 @@ built-in, ``@INTERVENTIONS.register`` for yours); `describe_registry()` lists th
 from .base import Intervention, NoOptions, check_options, choices
 from .handle import Handle, InterventionError, active_interventions
 from .qknorm import HeadNorm, qk_norm_logit_bound, qk_norm_logit_bounds
-from .registry import ORDER, REGISTRY, InterventionSpec, apply, apply_many, describe_registry
+from .registry import (
+    ORDER,
+    REGISTRY,
+    InterventionSpec,
+    apply,
+    apply_many,
+    attach_optimizer,
+    describe_registry,
+)
 from .softcap_eager import capped_scores
 from .zloss import z_loss
 
@@ -25,6 +33,7 @@ __all__ = [
     "active_interventions",
     "apply",
     "apply_many",
+    "attach_optimizer",
     "capped_scores",
     "check_options",
     "choices",

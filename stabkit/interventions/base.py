@@ -73,7 +73,7 @@ class Intervention:
     """Registry name: what `apply(model, name)`, ``attach(interventions=...)``, recipes and advice use."""
     order: ClassVar[int] = 100
     """Canonical application order, lower first, whatever order a call lists them in: norm surgery
-    (rmsnorm 10, norm_placement 20), then attention (qk_norm 30, attn_softcap 40), then the output
+    (rmsnorm 10, norm_placement 20), then attention (qk_clip 25, qk_norm 30, attn_softcap 40), then the output
     logits (logit_softcap 50, z_loss 60); ties keep registration order."""
     description: ClassVar[str] = ""
     """One line for ``stabkit list interventions``."""
@@ -85,7 +85,8 @@ class Intervention:
     computes at the switch."""
     midrun_preference: ClassVar[int] = 100
     """Among the mid-run fixes an event's advice names, the rescue prefers the lowest (qk_norm 10,
-    attn_softcap 20, z_loss 30, logit_softcap 40): `RescueOptions.fixes` defaults to this order."""
+    attn_softcap 20, z_loss 30, logit_softcap 40; qk_clip 5, first): `RescueOptions.fixes` defaults to
+    this order."""
 
     def apply(self, model: nn.Module, model_map: Any, options: Any) -> Handle:
         """Perform the surgery on `model` with `options` (an `options_class` instance) and return its
@@ -110,6 +111,20 @@ class Intervention:
         """Right after a mid-run `apply`: set its new parameters so the output barely moves.
         `rerun()` re-runs the step's kept forwards (no grad, the step's RNG; the RNG is restored),
         so forward hooks registered around it measure what the switched-on model sees."""
+
+    def attach_optimizer(
+        self,
+        handle: Handle,
+        optimizer: Any,
+        record: Callable[[str, Any], None] | None = None,
+        hooks: Any = None,
+    ) -> None:
+        """For a fix that acts after each optimizer step (``qk_clip``): register what it needs on
+        `optimizer` (a torch optimizer or `stabkit.optimizers.OptimizerSet`) through `hooks` (a
+        `stabkit.hooks.Registrar`; None: directly), undone by ``handle.remove()``; `record(name,
+        value)` takes its per-step metrics where a monitor wants them. Called by
+        `stabkit.interventions.attach_optimizer` (``attach(interventions=...)``, the rescue, the
+        recipes). Default: nothing."""
 
 
 def option_defaults(cls: type[Intervention]) -> dict[str, Any]:

@@ -23,7 +23,7 @@ QK_NORM_ATTR = "stabkit_qk_norm"
 """Submodule name under an attention module holding the QK-norm gains added by ``qk_norm`` (``.q``, ``.k``)."""
 
 
-NEEDS_TRACE = ("qk_norm", "attn_softcap", "norm_placement")
+NEEDS_TRACE = ("qk_norm", "attn_softcap", "norm_placement", "qk_clip")
 KNOWN_FAMILIES = ("stabkit-gpt", "torch-encoder", "hf-gpt2", "hf-llama", "nanogpt")
 """Families whose roles stabkit knows by class and layout, not by guessing from names: a map by names
 of these (a model on the meta device, FSDP2-sharded) is trusted."""

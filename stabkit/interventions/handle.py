@@ -86,6 +86,11 @@ class Handle:
             out.update(self._metrics())
         return out
 
+    @property
+    def children(self) -> list[Handle]:
+        """The handles of the interventions this one covers (empty for a single intervention's)."""
+        return list(self._children)
+
     def new_parameters(self) -> list[nn.Parameter]:
         """Parameters added to the model (e.g. QK-norm and sandwich-norm gains)."""
         params = [p for child in self._children for p in child.new_parameters()]

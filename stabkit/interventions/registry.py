@@ -218,6 +218,20 @@ def apply_many(
     return Handle(model, [n for n, _ in items], done)
 
 
+def attach_optimizer(
+    handle: Handle, optimizer: Any, record: Callable[[str, Any], None] | None = None, hooks: Any = None
+) -> None:
+    """Let every intervention under `handle` that acts after optimizer steps (``qk_clip``) watch
+    `optimizer` (`Intervention.attach_optimizer`); the others ignore it. Call once the optimizer
+    exists: ``handle = apply(model, "qk_clip"); attach_optimizer(handle, optimizer)``."""
+    if optimizer is None:
+        return
+    for part in handle.children or [handle]:
+        for name in part.names:
+            if name in INTERVENTIONS and not part.removed:
+                plugin(name)().attach_optimizer(part, optimizer, record, hooks)
+
+
 def apply(
     model: nn.Module,
     name: str | Iterable[Spec] | Mapping[str, Mapping[str, Any]],

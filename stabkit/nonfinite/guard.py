@@ -10,7 +10,18 @@
   hook releases it (one output-sized tensor; it lets the backward pass be replayed without the
   user's loss code).
 
+Under ``torch.compile(model)`` the root's hooks are frames of their own, outside the model's graph;
+when discovery found the module that yields the logits below the root, the output check runs in
+that module's forward hook instead (inside the model's graph) and reads the logits there.
+
 The device checks themselves are `stabkit.stats.finite.nonfinite_flag`.
+
+Under ``torch.compile`` both hooks are traced into the model's graph. The RNG state cannot be read
+there (``torch.get_rng_state`` breaks the graph), so a compiled forward is kept without it
+(``rng_cpu`` None): its replay runs the eager module, whose dropout masks differ from Inductor's
+random stream anyway. The kept forwards of a compiled step are chained (`_Chain`: each link points
+to the previous one), not appended to a list, because Dynamo guards on a list's length — one graph
+per micro-batch count — while a chain only tells "first forward of the step" from "a later one".
 """
 
 from __future__ import annotations
@@ -42,7 +53,8 @@ class KeptForward:
 
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
-    rng_cpu: torch.Tensor
+    rng_cpu: torch.Tensor | None
+    """None for a forward kept under torch.compile (its RNG state cannot be read in the graph)."""
     rng_cuda: list[torch.Tensor]
     autocast: list[tuple[str, torch.dtype]]
     output_grad: torch.Tensor | None = None
@@ -54,9 +66,18 @@ def rng_state() -> tuple[torch.Tensor, list[torch.Tensor]]:
     return torch.get_rng_state(), cuda
 
 
-def set_rng_state(cpu: torch.Tensor, cuda: list[torch.Tensor]) -> None:
-    """Restore what `rng_state` returned."""
-    torch.set_rng_state(cpu)
+@dataclass
+class _Chain:
+    """A forward kept under torch.compile, and the one kept before it in the same step."""
+
+    kept: KeptForward
+    before: _Chain | None
+
+
+def set_rng_state(cpu: torch.Tensor | None, cuda: list[torch.Tensor]) -> None:
+    """Restore what `rng_state` returned (nothing for a compiled forward's missing state)."""
+    if cpu is not None:
+        torch.set_rng_state(cpu)
     if cuda:
         torch.cuda.set_rng_state_all(cuda)
 
@@ -95,11 +116,13 @@ class StepGuard:
         check_output: bool,
         keep_grad: bool,
         hooks: Registrar = DIRECT,
+        output_site: tuple[str, Callable[[Any], Any]] | None = None,
     ) -> None:
         self.record = record
         self.check_output = check_output
         self.keep_grad = keep_grad
-        self.forwards: list[KeptForward] = []
+        self._kept: list[KeptForward] = []
+        self._chain: _Chain | None = None
         self.output_bad: torch.Tensor | None = None
         """Device flag: some output of this step held NaN/+Inf."""
         self.paused = False
@@ -108,35 +131,82 @@ class StepGuard:
             hooks.forward_pre("step-guard", model, self._pre_forward, with_kwargs=True),
             hooks.forward("step-guard", model, self._post_forward, with_kwargs=True),
         ]
+        self._site_take: Callable[[Any], Any] | None = None
+        if output_site is not None and check_output:
+            path, self._site_take = output_site
+            self.handles.append(hooks.forward("step-guard", model.get_submodule(path), self._site_forward))
+
+    @property
+    def forwards(self) -> list[KeptForward]:
+        """The forward calls kept in this step, oldest first (eager ones, then compiled ones)."""
+        chained: list[KeptForward] = []
+        link = self._chain
+        while link is not None:
+            chained.append(link.kept)
+            link = link.before
+        return self._kept + chained[::-1]
 
     def _pre_forward(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.paused or not torch.is_grad_enabled() or tracing():
             return
-        if len(self.forwards) >= MAX_KEPT:  # Monitor.step is not being called: keep the newest only
-            self.forwards.pop(0)
+        if torch.compiler.is_compiling():  # traced: no RNG state, a chain instead of a list
+            kept = KeptForward(args, dict(kwargs), None, [], autocast_state())
+            self._chain = _Chain(kept, self._chain)
+            return
+        if len(self._kept) >= MAX_KEPT:  # Monitor.step is not being called: keep the newest only
+            self._kept.pop(0)
         cpu, cuda = rng_state()
-        self.forwards.append(KeptForward(args, dict(kwargs), cpu, cuda, autocast_state()))
+        self._kept.append(KeptForward(args, dict(kwargs), cpu, cuda, autocast_state()))
+
+    def _latest(self) -> KeptForward | None:
+        """The forward the pre-hook kept last (in the chain when traced)."""
+        if torch.compiler.is_compiling():
+            return None if self._chain is None else self._chain.kept
+        return self._kept[-1] if self._kept else None
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
-        if self.paused or not torch.is_grad_enabled() or not self.forwards or tracing():
+        if self.paused or not torch.is_grad_enabled() or tracing():
+            return
+        kept = self._latest()
+        if kept is None:
             return
         try:
             out = first_tensor(output)
         except TypeError:
             return
-        if self.check_output and out.is_floating_point() and out.numel() > 0:
-            with torch.no_grad():
-                top = out.detach().amax()
-                bad = torch.isnan(top) | torch.isposinf(top)
-            self.output_bad = bad if self.output_bad is None else self.output_bad | bad
-            self.record(OUTPUT_METRIC, bad.float())
+        if self.check_output and not (self._site_take is not None and torch.compiler.is_compiling()):
+            self._check(out)
         if self.keep_grad and out.requires_grad:
-            kept = self.forwards[-1]
 
             def keep(grad: torch.Tensor) -> None:
                 kept.output_grad = grad.detach()
 
             out.register_hook(keep)
+
+    def _site_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        """Forward hook of the module that yields the final logits: the output check, when traced.
+
+        Under ``torch.compile(model)`` the root's own hooks run outside the model's graph, each
+        compiled as a frame of its own, so a root hook with tensor work adds a graph; this hook runs
+        inside the model's forward, and its check is part of the model's graph. Eager, the root hook
+        checks (the model output itself) and this one returns at once."""
+        if not torch.compiler.is_compiling() or self.paused or not torch.is_grad_enabled() or tracing():
+            return
+        if self._latest() is None or self._site_take is None:
+            return
+        logits = self._site_take(output)
+        if isinstance(logits, torch.Tensor):
+            self._check(logits)
+
+    def _check(self, out: torch.Tensor) -> None:
+        """Flag (and record) NaN/+Inf in `out` from its max: device tensors only."""
+        if not (out.is_floating_point() and out.numel() > 0):
+            return
+        with torch.no_grad():
+            top = out.detach().amax()
+            bad = torch.isnan(top) | torch.isposinf(top)
+        self.output_bad = bad if self.output_bad is None else self.output_bad | bad
+        self.record(OUTPUT_METRIC, bad.float())
 
     def release_grads(self) -> None:
         """Drop the kept output gradients (at the optimizer pre-step hook, after any replay)."""
@@ -145,7 +215,8 @@ class StepGuard:
 
     def end_step(self) -> None:
         """Forget the step (at Monitor.step)."""
-        self.forwards = []
+        self._kept = []
+        self._chain = None
         self.output_bad = None
 
     def detach(self) -> None:

@@ -32,8 +32,8 @@ class NonfiniteDetector(Detector):
     advice: ClassVar[dict[str, Advice]] = {
         "nonfinite_attention": Advice(
             "NaN/Inf produced inside attention",
-            ("qk_norm", "attn_softcap"),
-            "attention logits overflowed the softmax: normalise q and k or soft-cap the logits; keep the softmax in float32",
+            ("qk_norm", "attn_softcap", "qk_clip"),
+            "attention logits overflowed the softmax: normalise q and k, soft-cap the logits or clip the heads past a threshold (QK-Clip); keep the softmax in float32",
         ),
         "nonfinite_output": Advice(
             "NaN/Inf at the output head / log Z",

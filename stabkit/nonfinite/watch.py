@@ -68,7 +68,9 @@ class NonfiniteWatch(DeviceChecks):
             and self.can_replay
             and self.per_step
         )
-        self.guard = StepGuard(model, self.record, options.check_output, keep_grad, ctx.hooks)
+        self.guard = StepGuard(
+            model, self.record, options.check_output, keep_grad, ctx.hooks, output_site=ctx.output_site
+        )
         self.tracer = FiniteTracer(model, hooks=ctx.hooks) if options.per_module else None
         self.open = False
         """A non-finite run of steps is in progress (replay and the unlocalized report happen once per run)."""

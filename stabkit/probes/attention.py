@@ -52,7 +52,6 @@ decoding with GQA packs query heads into the query dim, so per-head values there
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -62,12 +61,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import kernels
-from ..attention.call import QKCall
+from ..attention.call import LogitsCall, QKCall
 from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
 from ..discovery.modelmap import OPAQUE
+from ..hooks import hook_warning
 from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
+from .attention_op import measured, opaque_ok
 from .attention_stats import HeadStats, Sampling, uncap
 from .base import Probe, ProbeContext, ProbeError
 
@@ -208,7 +209,7 @@ class AttentionProbe(Probe):
             raise ProbeError(f"stabkit probe 'attn' cannot read attention module {path!r}: {exc}") from exc
         if path not in self._off:
             self._off.add(path)
-            warnings.warn(
+            hook_warning(
                 f"stabkit: attention logits of {path!r} ({type(module).__name__}) are not measured: {exc}. "
                 "Everything else is still monitored (MonitorConfig(strict=True) raises instead)",
                 RuntimeWarning,
@@ -227,7 +228,13 @@ class AttentionProbe(Probe):
         ctx = self.ctx
         assert ctx is not None
         cfg = ctx.config
-        sampling = Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, ctx.step() // cfg.attention_every)
+        compiling = torch.compiler.is_compiling()
+        if compiling:  # the round as a device tensor: no recompile per round
+            sampling = Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, counter=ctx.phase.round)
+        else:
+            sampling = Sampling(
+                cfg.attn_sample_rows, cfg.attn_sample_queries, ctx.step() // cfg.attention_every
+            )
         module = self.modules[path]
         # no outer mode (e.g. a soft-capping one) sees the probe's own ops; no autocast to low precision
         with torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast(args, kwargs):
@@ -238,8 +245,42 @@ class AttentionProbe(Probe):
             applied_cap = None if seen_capped else intervention_cap
             if isinstance(call, QKCall) and call.softcap is not None:
                 applied_cap = call.softcap  # the kernel caps through its own argument
+            if compiling:  # one opaque op (`attention_op`), one graph output
+                self._measure_traced(call, sampling, path, applied_cap, seen_capped)
+                return
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
             self._record(path, stats, seen_capped, applied_cap)
+
+    def _measure_traced(
+        self,
+        call: QKCall | LogitsCall,
+        sampling: Sampling,
+        path: str,
+        applied_cap: float | None,
+        seen_capped: float | None,
+    ) -> None:
+        """`_measure` while Dynamo traces (`attention_op`): a gated phase lets the op decide at run
+        time; a call no op can take is traced as graph ops, so only into a sampled graph (a guard)."""
+        ctx = self.ctx
+        assert ctx is not None
+        cfg, phase, every = ctx.config, ctx.phase, ctx.config.attention_every
+        gated = phase.gated and opaque_ok(call)
+        if phase.gated and not gated and not phase.on(every):
+            return
+        entries, vector = measured(
+            call,
+            sampling,
+            applied_cap,
+            seen_capped,
+            cfg.attn_chunk_bytes,
+            cfg.attn_per_head,
+            phase.gate if gated else -1,
+            every,
+        )
+        names = tuple(f"attn/{path}/{name}" for name, _, _ in entries)
+        combines = tuple(c for _, c, _ in entries)
+        reductions = tuple(r for _, _, r in entries)
+        ctx.recorder.add_packed(names, combines, reductions, vector, every=every if gated else None)
 
     def _record(
         self, path: str, stats: HeadStats, seen_capped: float | None, applied_cap: float | None

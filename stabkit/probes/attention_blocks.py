@@ -127,6 +127,9 @@ class QKBlocks:
     """Position / FlexAttention masks, ALiBi and score_mod of the call (None: none)."""
     head_offset: int = 0
     """Absolute index of the first query head in `q` (the max candidates measure a slice of heads)."""
+    q_invalid: torch.Tensor | None = None
+    """(l,) bool: measured query slots that are not queries of the call (a compiled sample's slot past
+    the end, `attention_sample.Sample.invalid`): every key is blocked for them."""
 
     def last_query(self, qs: slice) -> int:
         """The position of the last query in `qs` (needs `host_positions`)."""
@@ -176,6 +179,9 @@ class QKBlocks:
             elif a.shape[2] > 1:
                 a = a[:, :, qs]
             out = ~a
+        if self.q_invalid is not None:
+            gone = self.q_invalid[qs].view(1, 1, -1, 1)  # (1, 1, l, 1)
+            out = gone if out is None else out | gone
         if self.causal or self.index_mask is not None:
             qi = self._query_index(rs, hs, qs)
             if self.causal:

@@ -33,7 +33,7 @@ from ..attention.call import LogitsCall, QKCall
 from ..stats import norm_f32
 from .attention_blocks import QKBlocks, cost_logits, cost_qk, cost_scores, dims_of, plan, spans
 from .attention_masks import IndexMask
-from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input, take
+from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input
 
 CHUNK_ELEMENTS = (1 << 20) // 4
 """Default budget of `measure`, in float32 elements (the default `MonitorConfig.attn_chunk_bytes`)."""
@@ -66,20 +66,20 @@ def candidates_per_row(sampling: Sampling, batch: int, n_queries: int) -> int:
 def _measure_qk(call: QKCall, sampling: Sampling, cap: float | None, budget: int) -> HeadStats:
     q, k = call.q, call.k  # (B, H, L, E), (B, Hkv, S, E)
     batch, n_q = max(q.shape[0], k.shape[0]), q.shape[2]
-    rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
+    sample = sampling.sample(batch, n_q, q.device)
     index_mask = IndexMask.of(call)
-    q_index = torch.arange(n_q, device=q.device)[queries].view(1, 1, -1)  # (1, 1, l)
     blocks = QKBlocks(
-        q=take(q, rows, queries),  # (b, H, l, E) view
-        k=take(k, rows, slice(None)),  # (b, Hkv, S, E) view
+        q=sample.take(q),  # (b, H, l, E) view (compiled: a gathered copy)
+        k=sample.take(k, queries=False),  # (b, Hkv, S, E) view
         scale=call.scale,
-        allowed=None if call.allowed is None else take(call.allowed, rows, queries),
-        bias=None if call.bias is None else take(call.bias, rows, queries),
-        q_index=q_index,
+        allowed=None if call.allowed is None else sample.take(call.allowed),
+        bias=None if call.bias is None else sample.take(call.bias),
+        q_index=sample.query_index(n_q, q.device).view(1, 1, -1),  # (1, 1, l)
         causal=call.causal,
-        host_positions=range(n_q)[queries] if call.causal else None,
-        row_index=torch.arange(batch, device=q.device)[rows] if index_mask is not None else None,
+        host_positions=sample.positions if call.causal else None,
+        row_index=sample.row_index(batch, q.device) if index_mask is not None else None,
         index_mask=index_mask,
+        q_invalid=sample.invalid,
     )
     sinks = None if call.sinks is None else call.sinks.detach().float().reshape(-1)
     stats = _sweep(blocks, cap, budget, sinks=sinks)
@@ -206,9 +206,10 @@ def _measure_logits(
     batch, heads, n_q, _ = x.shape
     sinks = x[..., x.shape[-1] - sink_columns :] if sink_columns else None  # (B, H, L, n)
     x = x[..., : x.shape[-1] - sink_columns] if sink_columns else x
-    rows, queries = sampling.row_slice(batch), sampling.query_slice(n_q)
-    sample = take(x, rows, queries)  # (b, H, l, S) view
-    sink_sample = take(sinks, rows, queries) if sinks is not None else None
+    picked = sampling.sample(batch, n_q, x.device)
+    sample = picked.take(x)  # (b, H, l, S) view (compiled: a gathered copy)
+    sink_sample = picked.take(sinks) if sinks is not None else None
+    invalid = None if picked.invalid is None else picked.invalid.view(1, 1, -1, 1)  # (1, 1, l, 1)
     threshold = torch.finfo(x.dtype).min / 2
     out = HeadStats.zeros(heads, x.device)
     if sink_sample is not None:
@@ -223,12 +224,16 @@ def _measure_logits(
                 for ks in k_spans:
                     part = sample[rs, hs, qs, ks]  # (b, h, l, s) view
                     blocked = part <= threshold  # masked by an additive finfo.min/-inf
+                    if invalid is not None:  # compiled sample: a slot past the end sees no key
+                        blocked = blocked | invalid[:, :, qs]
                     logits = part.to(torch.float32, copy=True)
                     out.max_logit[hs] = torch.maximum(out.max_logit[hs], masked_absmax(logits, blocked))
                     sums.add(softmax_input(logits, blocked, None, cap))
                     del part, blocked, logits
                 if sink_sample is not None and out.sink_sum is not None:
                     sink = sink_sample[rs, hs, qs].float()  # (b, h, l, n)
+                    if invalid is not None:
+                        fill_(sink, invalid[:, :, qs], -torch.inf)
                     sums.add(sink.clone())
                     out.sink_sum[hs] += sums.share(sink).sum(dim=(0, 2))
                 row_entropy, valid = sums.entropy()

@@ -1,5 +1,6 @@
 """Attention-logit statistics, one block of logits at a time: max |logit|, and the entropy of each
-query row by an online log-sum-exp over its key blocks; row/query sampling.
+query row by an online log-sum-exp over its key blocks (the row/query sample: `attention_sample`,
+re-exported here).
 
 Runs inside the attention probe's handler, i.e. inside the attention module's forward on sampled
 steps, under ``torch.no_grad()`` in float32. Everything stays on the device (no host sync).
@@ -27,47 +28,23 @@ from dataclasses import dataclass
 
 import torch
 
+from .attention_sample import EXACT, Sample, Sampling
+
+__all__ = [
+    "CLAMP",
+    "EXACT",
+    "HeadStats",
+    "RowSums",
+    "Sample",
+    "Sampling",
+    "fill_",
+    "masked_absmax",
+    "softmax_input",
+    "uncap",
+]
+
 CLAMP = -80.0
 """Lowest shifted logit ``z − max`` that enters the sums (exp stays a normal float32)."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """Which batch rows and query positions to measure: deterministic, no RNG (observation only).
-
-    `round` (the sampled-step counter) rotates the rows and the query offset, so successive
-    sampled steps look at different rows/positions.
-    """
-
-    rows: int | None
-    """Batch rows to measure (None = all)."""
-    queries: int | None
-    """Query positions to measure per row (None = all)."""
-    round: int = 0
-
-    def row_slice(self, n: int) -> slice:
-        """`rows` consecutive batch rows out of `n` (all when `rows` is None or >= n)."""
-        if self.rows is None or self.rows >= n:
-            return slice(None)
-        start = (self.round * self.rows) % (n - self.rows + 1)
-        return slice(start, start + self.rows)
-
-    def query_slice(self, n: int) -> slice:
-        """At most `queries` positions out of `n`, evenly strided, offset rotating with `round`."""
-        if self.queries is None or self.queries >= n:
-            return slice(None)
-        stride = -(-n // self.queries)  # ceil
-        return slice(self.round % stride, n, stride)
-
-
-EXACT = Sampling(None, None)
-
-
-def take(t: torch.Tensor, rows: slice, queries: slice) -> torch.Tensor:
-    """Slice a (B, H, L, ...) tensor, or one broadcastable to it (size-1 dims stay whole), to the sample."""
-    r = rows if t.shape[0] > 1 else slice(None)
-    q = queries if t.shape[2] > 1 else slice(None)
-    return t[r, :, q]
 
 
 @dataclass

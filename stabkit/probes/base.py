@@ -4,6 +4,11 @@ warn-once-then-disable on failure.
 A probe registers hooks at `attach` (once) and removes them at `detach`. Its hooks run during the
 user's forward/backward/optimizer step and only add device tensors to the Recorder.
 
+Under ``torch.compile`` the hooks are traced into the model's graph (see `StepPhase` for how the
+sampling decision keeps the set of graphs fixed, and `stabkit.stats.recorder` for how statistics leave
+the graph). A hook must read only values that are the same on every step of its kind — never
+`ProbeContext.step` — and warnings a hook raises are deferred to `Probe.end_step` (`Probe.fail`).
+
 Only *training forwards* enter the statistics (`ProbeContext.training_forward`, see `forwards`): a
 forward that starts in training mode with gradients enabled. Validation forwards (``model.eval()``,
 ``torch.no_grad()``), ``generate()`` and any other forward under ``no_grad`` between steps are left
@@ -15,7 +20,6 @@ from __future__ import annotations
 
 import fnmatch
 import functools
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -27,9 +31,10 @@ from torch.utils.hooks import RemovableHandle
 from ..config import ModuleSelection, MonitorConfig
 from ..discovery import ModelMap
 from ..discovery.trace import first_tensor_in, tracing
-from ..hooks import HookSet, Registrar
+from ..hooks import HookSet, Registrar, hook_warning
 from ..stats import Recorder
 from .forwards import TrainingForwards
+from .phase import StepPhase
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -57,14 +62,34 @@ class ProbeContext:
     """Which forward in progress is a training forward (hooks on the model and on the ancestors of
     its blocks and attention modules, installed while a probe uses them)."""
 
+    phase: StepPhase = field(init=False)
+    """The sampling decision of the step in progress (`StepPhase`; `refresh` keeps it current)."""
+
     def __post_init__(self) -> None:
         mm = self.model_map
         self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths], self.hooks)
+        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
+        self.phase = StepPhase(self.config.every, self.config.attention_every, device)
+        self.refresh()
+        self.recorder.gate = self.phase.on
+
+    def refresh(self) -> None:
+        """The Monitor's step count changed (eager, outside any hook): update `phase`."""
+        self.phase.set(self.step())
 
     def sampled(self, every: int | None = None) -> bool:
         """True when the step in progress is one on which per-layer statistics are taken (never
-        during discovery's traced forward)."""
-        return self.step() % (every or self.config.every) == 0 and not tracing()
+        during discovery's traced forward). Reads `phase`, never the step: safe in compiled hooks.
+        Traced with a gated phase (`StepPhase.gated`): True — the opaque ops decide at run time."""
+        if tracing():
+            return False
+        if self.phase.gated and torch.compiler.is_compiling():
+            return True
+        return self.phase.on(every or self.config.every)
+
+    def close(self) -> None:
+        """At detach: the phase's gate closes (compiled code that still runs measures nothing)."""
+        self.phase.close()
 
     def training_forward(self, module: nn.Module) -> bool:
         """In a forward (pre-)hook of `module`, outside `guarded` (which turns gradients off): True
@@ -123,7 +148,7 @@ class Probe:
         if self.ctx is not None and self.ctx.config.strict:
             raise ProbeError(f"stabkit probe {self.name!r} failed at {where}: {exc}") from exc
         if self.enabled:
-            warnings.warn(
+            hook_warning(
                 f"stabkit: probe {self.name!r} failed at {where} ({type(exc).__name__}: {exc}); "
                 "it is now disabled and training continues (MonitorConfig(strict=True) raises instead)",
                 RuntimeWarning,

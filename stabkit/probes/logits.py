@@ -5,16 +5,25 @@ model's own output when it scales or caps after the head), on sampled steps, in 
 only (`ProbeContext.training_forward`). log Z = logsumexp over the vocabulary; its drift is the
 output-logit divergence of Wortsman et al. 2023, who plot it as the mean output logit (over the
 vocabulary and positions) drifting far negative: `logits/mean`.
+
+Under ``torch.compile`` the hook is traced into the sampled graph and measures through the opaque
+op ``torch.ops.stabkit.logit_stats`` (`stabkit.stats.opaque`: the eager code, one graph output).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..stats import logit_stats
+from ..stats.opaque import LOGIT_COMBINES
+from ..stats.recorder import Reduction
 from .base import Probe, ProbeContext, first_tensor, guarded
+
+NAMES = ("logits/max_abs", "logits/logz_mean", "logits/logz_max", "logits/mean")
+REDUCTIONS: tuple[Reduction, ...] = ("max", "mean", "max", "mean")
 
 
 class LogitProbe(Probe):
@@ -47,6 +56,12 @@ class LogitProbe(Probe):
         """Forward hook body (after the module that yields the final logits, sampled training forwards)."""
         ctx = self.ctx
         assert ctx is not None
+        if torch.compiler.is_compiling():  # one opaque op, one graph output
+            phase, every = ctx.phase, ctx.config.every
+            packed = torch.ops.stabkit.logit_stats(first_tensor(output).detach(), phase.gate, every)
+            gated = every if phase.gated else None
+            ctx.recorder.add_packed(NAMES, LOGIT_COMBINES, REDUCTIONS, packed, every=gated)
+            return
         max_abs, logz_mean, logz_max, mean = logit_stats(first_tensor(output))
         rec = ctx.recorder
         rec.add("logits/max_abs", max_abs, combine="max", reduction="max")

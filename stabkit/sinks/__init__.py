@@ -1,8 +1,10 @@
-"""Sinks write metrics and events out (TensorBoard, JSONL, console); they only read, never compute.
+"""Sinks write metrics and events out (TensorBoard, JSONL, console, and the experiment trackers
+Weights & Biases and MLflow); they only read, never compute.
 
 `SinkSet` (fanout.py) fans out to them and switches off one that fails (full disk, read-only
-logdir) instead of stopping training; `rundir.py` picks the folder a run writes to, so two runs
-never mix in one logdir.
+logdir, a tracker unreachable or not installed) instead of stopping training; `rundir.py` picks the
+folder a run writes to, so two runs never mix in one logdir. The trackers (`wandb_sink.py`,
+`mlflow_sink.py`, what they share in `trackers.py`) import their package only when switched on.
 """
 
 from __future__ import annotations
@@ -10,17 +12,23 @@ from __future__ import annotations
 from .console import ConsoleSink, summary_line
 from .fanout import Sink, SinkSet
 from .jsonl import LOG_NAME, JsonlSink, read_jsonl
+from .mlflow_sink import MlflowSink
 from .rundir import LOG_MODES, choose_logdir, clear_logs, run_folders
 from .tensorboard import TensorBoardSink, custom_scalar_layout
+from .trackers import TrackerError
+from .wandb_sink import WandbSink
 
 __all__ = [
     "LOG_MODES",
     "LOG_NAME",
     "ConsoleSink",
     "JsonlSink",
+    "MlflowSink",
     "Sink",
     "SinkSet",
     "TensorBoardSink",
+    "TrackerError",
+    "WandbSink",
     "choose_logdir",
     "clear_logs",
     "custom_scalar_layout",

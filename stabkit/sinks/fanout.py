@@ -2,11 +2,12 @@
 
 Built once at `attach` (on the writing rank: `stabkit.distributed.rank_sinks`); written at each log
 interval, on every event and on text notes; closed at `detach`. A sink that fails — a full disk
-(ENOSPC), a read-only or vanished logdir (EROFS, EACCES, ENOENT), a closed stderr — is switched
-off: one RuntimeWarning names it and the error, `SinkSet.failures` keeps the reason, the other sinks
-go on, and the monitor keeps every logged step and event in memory (`Monitor.history`,
-`Monitor.events`). Nothing a sink raises reaches the training loop (with `strict`, errors other than
-OSError still raise: they are bugs, not a full disk).
+(ENOSPC), a read-only or vanished logdir (EROFS, EACCES, ENOENT), a closed stderr, an experiment
+tracker unreachable or not installed (`TrackerError`, an OSError) — is switched off: one
+RuntimeWarning names it and the error, `SinkSet.failures` keeps the reason, the other sinks go on,
+and the monitor keeps every logged step and event in memory (`Monitor.history`, `Monitor.events`).
+Nothing a sink raises reaches the training loop (with `strict`, errors other than OSError still
+raise: they are bugs, not a full disk).
 """
 
 from __future__ import annotations
@@ -20,11 +21,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Protocol
 
+from ..config import MlflowOptions, MonitorConfig, WandbOptions
 from ..events import Event
 from .console import ConsoleSink
 from .jsonl import JsonlSink
+from .mlflow_sink import MlflowSink
 from .rundir import choose_logdir
 from .tensorboard import TensorBoardSink
+from .wandb_sink import WandbSink
 
 
 class Sink(Protocol):
@@ -107,6 +111,23 @@ class SinkSet:
                 "mode": mode,
             },
         )
+
+    def add(self, make: Any, name: str) -> None:
+        """Add the sink `make()` returns (at attach); when making it fails, warn once naming `name`
+        and go on without it (`failures` keeps the reason)."""
+        self._add(make, name)
+
+    def add_trackers(self, config: MonitorConfig, logdir: str | Path | None = None) -> None:
+        """Add the experiment trackers `config` switches on (`MonitorConfig.wandb`, `.mlflow`), with
+        the run's folder (`self.logdir`, else the `logdir` asked for) for their run name and W&B's
+        files. One that cannot start (not installed, a bad URI) is warned about once and left off.
+        Runs at attach, on the writing rank (`stabkit.distributed.rank_sinks`)."""
+        folder = self.logdir if self.logdir is not None else logdir
+        wandb, mlflow = config.wandb, config.mlflow
+        if isinstance(wandb, WandbOptions):
+            self.add(lambda: WandbSink(wandb, config, folder), "the W&B run")
+        if isinstance(mlflow, MlflowOptions):
+            self.add(lambda: MlflowSink(mlflow, config, folder), "the MLflow run")
 
     def _add(self, make: Any, name: str) -> None:
         try:

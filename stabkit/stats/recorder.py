@@ -4,6 +4,18 @@ per log interval.
 `add` runs inside hooks (forward, backward, optimizer): it only does tensor arithmetic on the
 device. `commit` runs at `Monitor.step`. `drain` runs once per log interval and is the single
 host copy (one `.cpu()` per device).
+
+Under ``torch.compile`` the forward hooks' records are traced into the model's graph: each is a
+tensor the graph returns (Dynamo replays the dict updates after the graph ran), so nothing leaves
+the graph early and nothing breaks it. A traced record is a *pack* (`add_packed`): one float32
+vector holding several statistics as a slot keeps them (squares for 'rms') and, last, their count —
+the form the opaque ops of `stabkit.stats.opaque` return, so a sampled graph does no arithmetic of
+its own; a traced `add` makes a pack of one. The traced code reads only whether the pack was
+already recorded in this step: the first micro-batch of a step and the later ones are two graph
+variants, whatever the number of micro-batches (the later ones merge vectors in the graph; counts
+are entries of the vector, never Python values Dynamo would guard on). Packs become ordinary
+entries (and their cross-rank reductions are registered) at the next eager call: `current`,
+`current_names`, `commit`.
 """
 
 from __future__ import annotations
@@ -25,8 +37,21 @@ Reducer = Callable[[torch.Tensor, list[Reduction]], torch.Tensor]
 @dataclass
 class _Slot:
     value: torch.Tensor
-    count: int
+    count: int | torch.Tensor
+    """Values combined so far (a 0-d device tensor for values that came in a pack)."""
     combine: Combine
+
+
+@dataclass
+class _Pack:
+    """Statistics recorded together under torch.compile (see the module docstring)."""
+
+    values: torch.Tensor
+    """(k + 1,) float32: each statistic as its slot keeps it, then the count."""
+    combines: tuple[Combine, ...]
+    reductions: tuple[Reduction, ...]
+    every: int | None = None
+    """Gated ops' cadence: kept only when `Recorder.gate` says the step samples it (None: kept)."""
 
 
 class Recorder:
@@ -36,6 +61,10 @@ class Recorder:
         self.reducer = reducer
         """Called by `drain` on each device's stacked values before the host copy (cross-rank reduce)."""
         self._current: dict[str, _Slot] = {}
+        self._packs: dict[tuple[str, ...], _Pack] = {}
+        self.gate: Callable[[int], bool] | None = None
+        """Whether the step in progress samples a cadence (`StepPhase.on`, set by the probes'
+        context): packs recorded with a cadence are dropped on steps it does not sample."""
         self._pending: list[tuple[int, list[tuple[tuple[str, ...], torch.Tensor]]]] = []
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.reductions: dict[str, Reduction] = {}
@@ -46,6 +75,10 @@ class Recorder:
     ) -> None:
         """Record a 0-d statistic for the current step (called from hooks; no host sync)."""
         value = value.detach().reshape(()).float()
+        if torch.compiler.is_compiling():  # a pack of one (see the module docstring)
+            kept = value * value if combine == "rms" else value
+            self.add_packed((name,), (combine,), (reduction,), torch.stack([kept, torch.ones_like(kept)]))
+            return
         self.reductions.setdefault(name, reduction)
         slot = self._current.get(name)
         if slot is None or combine == "last":
@@ -62,19 +95,64 @@ class Recorder:
             slot.value = slot.value + value
         slot.count += 1
 
+    def add_packed(
+        self,
+        names: tuple[str, ...],
+        combines: tuple[Combine, ...],
+        reductions: tuple[Reduction, ...],
+        values: torch.Tensor,
+        every: int | None = None,
+    ) -> None:
+        """Record the statistics `names` at once (traced hooks; no host sync): `values` (k + 1,) holds
+        each as its slot keeps it (squared for 'rms') and, last, the count (1 for one measurement).
+        `every`: they come from gated ops of that cadence (zeros on other steps: dropped then)."""
+        pack = self._packs.get(names)
+        if pack is None:
+            self._packs[names] = _Pack(values, combines, reductions, every)
+            return
+        pack.values = merge_packed(pack.values, values, combines)
+
+    def _unpack(self) -> None:
+        """Eager: packs become slots (merged with any slot of the same name), reductions registered."""
+        packs, self._packs = self._packs, {}
+        for names, pack in packs.items():
+            if pack.every is not None and self.gate is not None and not self.gate(pack.every):
+                continue  # a gated op's zeros on a step its cadence does not sample
+            count = pack.values[-1]
+            for i, (name, combine, reduction) in enumerate(
+                zip(names, pack.combines, pack.reductions, strict=True)
+            ):
+                self.reductions.setdefault(name, reduction)
+                value = pack.values[i]
+                slot = self._current.get(name)
+                if slot is None or combine == "last":
+                    self._current[name] = _Slot(value, count, combine)
+                    continue
+                if combine == "max":
+                    slot.value = torch.maximum(slot.value, value)
+                elif combine == "min":
+                    slot.value = torch.minimum(slot.value, value)
+                else:  # sum, mean, rms (kept as a sum of squares)
+                    slot.value = slot.value + value
+                slot.count = slot.count + count
+
     def current(self, name: str) -> torch.Tensor | None:
         """The current step's combined value of `name` (device tensor), if recorded."""
+        self._unpack()
         slot = self._current.get(name)
         return None if slot is None else _finish(slot)
 
     def current_names(self) -> list[str]:
-        """Names recorded so far in the current step, in the order first recorded."""
+        """Names recorded so far in the current step, in the order first recorded (traced packs after
+        the eager records)."""
+        self._unpack()
         return list(self._current)
 
     def commit(self, step: int) -> dict[str, torch.Tensor]:
         """Close the current step: its statistics join the pending interval, packed into one 1-d
         tensor per device (one object per step instead of hundreds of 0-d tensors, which cost memory
         between log intervals). Returns the step's values as 0-d device tensors (for the detectors)."""
+        self._unpack()
         values = {name: _finish(slot) for name, slot in self._current.items()}
         self._current = {}
         if values:
@@ -122,6 +200,20 @@ class Recorder:
         self._pending = []
         self._names = {}
         return out
+
+
+def merge_packed(old: torch.Tensor, new: torch.Tensor, combines: tuple[Combine, ...]) -> torch.Tensor:
+    """Two packs of the same statistics (`Recorder.add_packed`) as one: max/min where they combine so,
+    the newer for 'last', else (sum, mean, rms as squares, and the count) the sum. Traced: one kernel."""
+    kinds = (*combines, "sum")
+    flags = torch.tensor(
+        [[k == "max" for k in kinds], [k == "min" for k in kinds], [k == "last" for k in kinds]],
+        device=old.device,
+    )
+    summed = torch.where(flags[2], new, old + new)
+    return torch.where(
+        flags[0], torch.maximum(old, new), torch.where(flags[1], torch.minimum(old, new), summed)
+    )
 
 
 def to_host(values: torch.Tensor) -> list[float]:

@@ -1,4 +1,9 @@
-"""Fused on-device reductions used by probes. Called inside hooks; never sync with the host."""
+"""Fused on-device reductions used by probes. Called inside hooks; never sync with the host.
+
+Under ``torch.compile`` these run inside the model's graph: nothing here reads a tensor's value on
+the host there (`tensor_stats` drops its CPU shortcut), and `logit_stats` computes log Z in one
+reduction, which Inductor fuses with the float cast (the row chunks exist for eager memory only).
+"""
 
 from __future__ import annotations
 
@@ -47,7 +52,9 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     counts them (~7x cheaper on a CPU than `isfinite(x).sum()`, which makes several boolean
     passes). rms and abs-max are non-finite whenever `x` holds a NaN/Inf, so on a CPU — where
     reading a value involves no device synchronisation — the count is only computed when they
-    are; on an accelerator it is always computed, on the device, without a sync.
+    are; on an accelerator it is always computed, on the device, without a sync. Under
+    ``torch.compile`` it is always computed too (a host read would break the graph): Inductor reads
+    `x` once for all four reductions.
     """
     x = x.detach()
     if x.numel() == 0:
@@ -59,7 +66,13 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     lo, hi = torch.aminmax(x)
     absmax = torch.maximum(hi, -lo).float()
     # sync point: reads host memory only (CPU tensors), never a device
-    if x.device.type == "cpu" and math.isfinite(float(rms)) and math.isfinite(float(absmax)):
+    compiling = torch.compiler.is_compiling()
+    if (
+        not compiling
+        and x.device.type == "cpu"
+        and math.isfinite(float(rms))
+        and math.isfinite(float(absmax))
+    ):
         return rms, absmax, torch.zeros(())
     marks = x * 0  # 0 where finite, NaN where NaN or ±Inf
     marks.nan_to_num_(nan=1.0)
@@ -88,6 +101,11 @@ def logit_stats(
     flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
     lo, hi = torch.aminmax(flat)
     max_abs = torch.maximum(hi, -lo).float()
+    count = max(1, flat.shape[0])
+    if torch.compiler.is_compiling():  # one fused reduction; the same per-row log Z as the chunks
+        wide = flat.float()  # (N, V), not materialised by Inductor
+        logz = torch.logsumexp(wide, dim=-1)  # (N,)
+        return max_abs, logz.sum() / count, logz.amax(), wide.sum() / max(1, flat.numel())
     rows = max(1, -(-flat.shape[0] // LOGZ_CHUNKS))  # ceil
     total = torch.zeros((), device=flat.device)
     logit_sum = torch.zeros((), device=flat.device)
@@ -98,5 +116,4 @@ def logit_stats(
         total = total + logz.sum()
         logit_sum = logit_sum + chunk.sum()
         peak = torch.maximum(peak, logz.amax())
-    count = max(1, flat.shape[0])
     return max_abs, total / count, peak, logit_sum / max(1, flat.numel())

@@ -168,8 +168,9 @@ def test_rescue_on_a_training_loop_rolls_back_switches_on_and_continues() -> Non
     torch.manual_seed(0)
     model = reference_gpt(vocab_size=256, context=32)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    detect = stabkit.DetectConfig(
-        actions={"attn_entropy": "rescue"}, options={"rollback": {"snapshot_every": 20}}
+    detect = stabkit.DetectConfig(  # qk_norm (qk_clip, the first choice: test_rescue_qk_clip.py)
+        actions={"attn_entropy": "rescue"},
+        options={"rollback": {"snapshot_every": 20}, "rescue": {"fixes": ["qk_norm", "attn_softcap"]}},
     )
     mon = stabkit.attach(
         model, opt, config=stabkit.MonitorConfig(console=False, every=5, log_every=10, detect=detect)

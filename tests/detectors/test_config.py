@@ -77,6 +77,7 @@ def test_every_range_is_the_bounds_metadata_of_an_options_dataclass() -> None:
             "EntropyOptions",  # low < healthy: a relation, not a range
             "SnapshotOptions",  # the snapshot device
             "RescueOptions",  # each fix can go on mid-run (the interventions registry)
+            "ClipOptions",  # min_history <= window: a relation, not a range
         )
 
 
@@ -135,7 +136,7 @@ def test_advice_uses_registry_names_and_lists_every_row() -> None:
             "drift",
             "attn/blocks.0.attn/max_logit",
             {"family": "attn_logit"},
-            ("qk_norm", "attn_softcap"),
+            ("qk_clip", "qk_norm", "attn_softcap"),
         ),
         ("pre", "drift", "logits/logz_mean", {"family": "logz"}, ("z_loss", "logit_softcap")),
         ("post", "drift", "act/blocks.1/rms", {"family": "residual"}, ("norm_placement",)),
@@ -147,7 +148,7 @@ def test_advice_uses_registry_names_and_lists_every_row() -> None:
             "nonfinite",
             "blocks.1.attn.q_proj",
             {"pass": "forward", "module": "blocks.1.attn.q_proj"},
-            ("qk_norm", "attn_softcap"),
+            ("qk_norm", "attn_softcap", "qk_clip"),
         ),
         ("pre", "nonfinite", "head", {"pass": "forward", "module": "head"}, ("z_loss", "logit_softcap")),
         ("pre", "nonfinite", "blocks.0.mlp.fc", {"pass": "backward", "module": "blocks.0.mlp.fc"}, ()),

@@ -101,7 +101,7 @@ def test_real_high_lr_run_warns_about_attention_logits_and_a_low_lr_run_does_not
     hot = run_tiny(3e-2, 200)
     attn = [e for e in hot.events if e.kind == "drift" and e.where.startswith("attn/")]
     assert attn, [str(e) for e in hot.events]
-    assert set(attn[0].details["interventions"]) == {"qk_norm", "attn_softcap"}
+    assert set(attn[0].details["interventions"]) == {"qk_clip", "qk_norm", "attn_softcap"}
     logits = [v for _, row in hot.history for k, v in row.items() if k.endswith("/max_logit")]
     assert max(logits) > 50  # the detector's level was really crossed in the measured series
     cold = run_tiny(1e-3, 200)

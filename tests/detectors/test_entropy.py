@@ -36,7 +36,7 @@ def test_a_fast_fall_that_stays_low_is_one_event_at_the_third_low_value() -> Non
     assert e.where == "blocks.1.attn" and e.value == pytest.approx(0.05) and e.threshold == 0.3
     assert e.details["high"] == pytest.approx(2.3)
     assert e.details["advice"] == "attn_entropy_collapse"
-    assert e.details["interventions"] == ["qk_norm", "attn_softcap"]
+    assert e.details["interventions"] == ["qk_clip", "qk_norm", "attn_softcap"]
 
 
 def test_slow_sharpening_a_blip_and_a_never_healthy_head_are_not_collapse() -> None:

@@ -19,6 +19,7 @@ from stabkit.interventions import (
 def test_registry_lists_every_intervention_with_defaults() -> None:
     assert set(REGISTRY) == {
         "z_loss",
+        "qk_clip",
         "qk_norm",
         "attn_softcap",
         "logit_softcap",
@@ -34,7 +35,15 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         assert name in text and spec.description in text
         assert all(f"{k}={v!r}" in text for k, v in spec.defaults.items())
     assert "to='sandwich' {pre|post|sandwich}" in text and "cap=50.0 (a number in (0, inf))" in text
-    assert tuple(ORDER) == ("rmsnorm", "norm_placement", "qk_norm", "attn_softcap", "logit_softcap", "z_loss")
+    assert tuple(ORDER) == (
+        "rmsnorm",
+        "norm_placement",
+        "qk_clip",
+        "qk_norm",
+        "attn_softcap",
+        "logit_softcap",
+        "z_loss",
+    )
 
 
 def test_unknown_names_and_options_list_the_allowed_ones() -> None:

@@ -38,7 +38,7 @@ from stabkit.nonfinite.guard import KeptForward, rng_state
 from stabkit.plugins import INTERVENTIONS
 from stabkit.tables import bounds
 
-BUILTINS = ("rmsnorm", "norm_placement", "qk_norm", "attn_softcap", "logit_softcap", "z_loss")
+BUILTINS = ("rmsnorm", "norm_placement", "qk_clip", "qk_norm", "attn_softcap", "logit_softcap", "z_loss")
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,7 @@ class Gain(Intervention):
     description = "multiply the output logits by a gain (a test plug-in)"
     options_class = GainOptions
     midrun = True
-    midrun_preference = 5  # preferred over every built-in
+    midrun_preference = 1  # preferred over every built-in (qk_clip: 5)
     calls: ClassVar[list[str]] = []
     fail_verify = False
 
@@ -123,7 +123,9 @@ def test_builtins_are_plugins_in_the_old_order_with_the_old_midrun_fixes() -> No
         cls = INTERVENTIONS.load(name)
         assert issubclass(cls, Intervention) and cls.name == name and cls.description
         assert INTERVENTIONS.describe(name).startswith("stabkit.interventions.")
-    assert midrun_fixes() == ("qk_norm", "attn_softcap", "z_loss", "logit_softcap") == tuple(MIDRUN)
+    assert (
+        midrun_fixes() == ("qk_clip", "qk_norm", "attn_softcap", "z_loss", "logit_softcap") == tuple(MIDRUN)
+    )
     assert RescueOptions().fixes == midrun_fixes()
     assert REGISTRY["qk_norm"].choices == {"kind": ("rmsnorm", "layernorm")}
     assert REGISTRY["qk_norm"].defaults == {"kind": "rmsnorm", "eps": None}
@@ -133,7 +135,7 @@ def test_a_plugin_registered_after_import_applies_like_a_builtin(gain: type[Gain
     model, x = model_and_batch()
     with torch.no_grad():
         before = model(x).clone()
-    assert "test_gain" in ORDER and tuple(ORDER).index("test_gain") == 4  # its `order`, live
+    assert "test_gain" in ORDER and tuple(ORDER).index("test_gain") == 5  # its `order`, live
     assert "test_gain" in REGISTRY and REGISTRY["test_gain"].defaults == {"gain": 0.5, "mode": "mul"}
     for text in (describe_registry(), interventions_text()):
         assert "multiply the output logits by a gain" in text and "mode='mul' {mul|div}" in text

@@ -38,6 +38,11 @@ RUN_QUANTITIES: dict[str, str] = {
     "rescue_count": "rescues stabkit carried out (action 'rescue'; a rescue variant's)",
     "rescue_step": "step of the first rescue (missing when none)",
     "steps_lost": "training steps the rescues rolled back (their sum)",
+    "qk_clip_heads_fraction": "qk_clip: fraction of attention heads clipped at least once",
+    "qk_clip_steps": "qk_clip: steps on which some head was clipped",
+    "qk_clip_quiet_step": "qk_clip: the last step with a clip (quiet after it; missing when none)",
+    "qk_clip_max_after_clip": "qk_clip: largest max logit of a head at a step after its first clip (<= tau(1+eps) when the clip holds)",
+    "clip_steps": "action clip: steps whose gradients (or update) it clipped",
 }
 """Per-run quantities a check can name (`events/<kind>` counts events of one kind too)."""
 

@@ -231,6 +231,7 @@ def verdict_lines(summary: Summary) -> str:
             lines.append(f"    mechanism: {_check_text(c)}")
         if v.get("rescue"):
             lines.extend(f"    {line}" for line in rescue_lines(v["rescue"], name, summary.variants))
+        lines.extend(f"    {line}" for line in clip_lines(summary.variants.get(name, {})))
         error = summary.variants.get(name, {}).get("error")
         if error:
             lines.append(
@@ -261,6 +262,34 @@ def rescue_lines(info: dict[str, Any], name: str, variants: dict[str, dict[str, 
         lines.append(
             f"held-out loss {num(result.get('val_loss'))} vs {num(theirs)} with {other} from the start "
             f"(tolerance {info.get('tolerance', 0):g} nats)"
+        )
+    return lines
+
+
+def clip_lines(result: dict[str, Any]) -> list[str]:
+    """What qk_clip and the action clip did in one variant (`stabkit.harness.recipes.clipping`)."""
+    lines = []
+    if result.get("qk_clip_steps") is not None:
+        curve = result.get("qk_clip_fraction_curve") or []
+        share = result.get("qk_clip_share_curve") or []
+        full = next((s for s, f in curve if f >= result.get("qk_clip_heads_fraction", 0) > 0), None)
+        by = f" (all of them by step {full})" if full is not None else ""
+        quiet = result.get("qk_clip_quiet_step")
+        lines.append(
+            f"qk_clip: {result.get('qk_clip_heads_fraction', 0):.0%} of heads clipped at least once{by}; "
+            f"{result['qk_clip_steps']} steps with a clip, the last at step {quiet}"
+        )
+        if share:
+            lines.append(
+                "qk_clip: share of heads clipped per step, by sixth of the run: "
+                + ", ".join(f"{v:.0%}" for _, v in share)
+            )
+        lines.append(
+            f"qk_clip: max logit of a head after its first clip {num(result.get('qk_clip_max_after_clip'))}"
+        )
+    if result.get("clip_steps") is not None:
+        lines.append(
+            f"clip: {result['clip_steps']} steps clipped (first at step {result.get('clip_first_step')})"
         )
     return lines
 

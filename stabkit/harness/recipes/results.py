@@ -11,6 +11,7 @@ import math
 from typing import Any
 
 from ...monitor import Monitor
+from .clipping import clip_quantities
 from .job import Job
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
 from .rescue import rescue_quantities
@@ -55,6 +56,7 @@ def finish(job: Job, result: RunResult, losses: list[float], mon: Monitor | None
         rescue=rescue,
         fault=fault_quantities(recipe.fault, events, losses) if recipe.fault is not None else None,
         depth_grad_ratio=result.depth["depth_grad_ratio"] if result.depth is not None else None,
+        clipping=clip_quantities(history, result.steps),
     )
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from ..training import Heldout
+from .clipping import CLIP_KEYS
 
 Status = Literal["running", "done", "stopped", "failed", "interrupted", "not run"]
 """running (not ended yet), done (trained every step), stopped (stabkit stopped it on purpose:
@@ -73,6 +74,8 @@ class Measures:
     """`fault_quantities` (recipes with a fault)."""
     depth_grad_ratio: float | None = None
     """The depth sweep's ratio (recipes with [depth])."""
+    clipping: dict[str, Any] | None = None
+    """`clip_quantities` (runs with ``qk_clip`` or the action ``clip``)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -93,6 +96,8 @@ class Measures:
             out.update(self.fault)
         if self.depth_grad_ratio is not None:
             out["depth_grad_ratio"] = self.depth_grad_ratio
+        if self.clipping is not None:
+            out.update(self.clipping)
         out["aggregates"] = self.aggregates
         return out
 
@@ -113,12 +118,18 @@ class Measures:
             rescue={k: data[k] for k in RESCUE_KEYS} if "rescue_count" in data else None,
             fault={k: data[k] for k in FAULT_KEYS} if "fault_step" in data else None,
             depth_grad_ratio=data.get("depth_grad_ratio"),
+            clipping={k: data[k] for k in CLIP_KEYS if k in data} or None,
         )
 
     @classmethod
     def keys_of(cls, data: dict[str, Any]) -> set[str]:
         """The keys of `data` that belong to its measures."""
-        own = {*cls.__dataclass_fields__, *RESCUE_KEYS, *FAULT_KEYS} - {"event_counts", "rescue", "fault"}
+        own = {*cls.__dataclass_fields__, *RESCUE_KEYS, *FAULT_KEYS, *CLIP_KEYS} - {
+            "event_counts",
+            "rescue",
+            "fault",
+            "clipping",
+        }
         return {k for k in data if k in own or k.startswith("events/")}
 
 

@@ -175,6 +175,10 @@ def build(
         )
     net = model if ctx is None else ddp_mod.wrap(model, device)
     trainer = TrainRun(net, train_corpus, config, recipe.model.context, device)
+    if handle is not None:  # fixes that act after optimizer steps (qk_clip) watch the optimizer
+        from ...interventions import attach_optimizer
+
+        attach_optimizer(handle, trainer.optimizer)
     return Built(model, handle, corpus, trainer, clock, ctx, notes)
 
 

@@ -13,6 +13,8 @@ from typing import Literal
 from ...tables import bounds
 
 Precision = Literal["fp32", "bf16", "fp16"]
+OptimizerKind = Literal["adamw", "muon"]
+MuonAdjust = Literal["original", "match_rms_adamw"]
 
 MAX_BATCH_SIZE = 4096
 """The largest `batch_size` (sequences per micro-batch) a recipe may ask for."""
@@ -64,6 +66,17 @@ class TrainConfig:
     runs without gradients in eval mode, on its own batches: training is unchanged."""
     grad_accum: int = field(default=1, metadata=bounds(lo=1))
     """Micro-batches per optimizer step."""
+    optimizer: OptimizerKind = "adamw"
+    """``adamw`` for every parameter; ``muon``: `torch.optim.Muon` on the blocks' 2-D weights (the hidden
+    matrices) and AdamW on embeddings, norms, biases and the output head, as Muon users do."""
+    muon_lr: float | None = field(default=None, metadata=bounds(lo=0.0, lo_open=True, hint="or none"))
+    """With ``optimizer = "muon"``: Muon's peak learning rate (on the same warmup and cosine); None:
+    `lr`. `lr` stays AdamW's, for the other parameters."""
+    muon_momentum: float = field(default=0.95, metadata=bounds(lo=0.0, hi=1.0, hi_open=True))
+    """Muon's momentum (Nesterov)."""
+    muon_adjust_lr: MuonAdjust = "original"
+    """Muon's per-matrix learning-rate scaling: ``original`` (Keller Jordan: √max(1, rows/cols)) or
+    ``match_rms_adamw`` (Moonshot: 0.2·√max(rows, cols), so AdamW's learning rate carries over)."""
     precision: Precision = "fp32"
     """fp32, or bf16 / fp16 autocast around the forward pass and the loss (`train` and `evaluate` set
     it up, `stabkit.harness.training.precision.Amp`; fp16 adds a GradScaler where one is used)."""
@@ -77,5 +90,7 @@ class TrainConfig:
             raise ValueError("TrainConfig.warmup and weight_decay must be >= 0 and eps > 0")
         if self.clip is not None and self.clip <= 0:
             raise ValueError(f"TrainConfig.clip must be None or > 0, got {self.clip!r}")
+        if self.optimizer not in ("adamw", "muon"):
+            raise ValueError(f"TrainConfig.optimizer must be adamw or muon, got {self.optimizer!r}")
         if self.precision not in ("fp32", "bf16", "fp16"):
             raise ValueError(f"TrainConfig.precision must be fp32, bf16 or fp16, got {self.precision!r}")

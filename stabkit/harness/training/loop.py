@@ -1,5 +1,5 @@
-"""Training loop for the reference GPT: AdamW (0.9, 0.95), warmup then cosine, grad clipping, and the
-run's precision (autocast around the forward pass and the loss, a GradScaler for fp16 on a GPU).
+"""Training loop for the reference GPT: AdamW (0.9, 0.95) — or Muon on the hidden matrices with AdamW
+for the rest —, warmup then cosine, grad clipping, and the run's precision (autocast around the forward pass and the loss, a GradScaler for fp16 on a GPU).
 
 Follows Wortsman et al. 2023 §2.1 at small scale (see shared/reference/papers.md, CPU proxy).
 Runs in the caller's process. The loop knows nothing of monitoring: the caller builds a `TrainRun`,
@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -56,8 +56,9 @@ class TrainRun:
     context: int
     """Sequence length of a batch."""
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
-    optimizer: torch.optim.Optimizer = field(init=False)
-    """`make_optimizer(model, config)`."""
+    optimizer: Any = field(init=False)
+    """`make_optimizer(model, config)`: one torch optimizer, or a list (Muon and AdamW), which
+    ``stabkit.attach`` takes as is."""
     amp: Amp = field(init=False)
     """`config.precision` on `device` (autocast, and a GradScaler for fp16 on a GPU)."""
 
@@ -100,17 +101,50 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
     return cfg.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
-def make_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.AdamW:
-    """AdamW with decay on ≥2-D non-embedding weights only; independent decay divides by the peak LR."""
+def make_optimizer(model: nn.Module, cfg: TrainConfig) -> Any:
+    """AdamW with decay on ≥2-D non-embedding weights only; independent decay divides by the peak LR.
+
+    With ``cfg.optimizer == "muon"``: ``[Muon, AdamW]`` — `torch.optim.Muon` on the 2-D weights inside
+    the blocks (the hidden matrices: attention and MLP projections), at ``cfg.muon_lr`` (its groups
+    carry ``lr_ratio`` = muon_lr / lr, which the loop's schedule multiplies in), and AdamW on the rest
+    (embeddings, norms, biases, the output head)."""
+    muon = cfg.optimizer == "muon"
+    matrices: list[nn.Parameter] = []
     decay: list[nn.Parameter] = []
     no_decay: list[nn.Parameter] = []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
-        (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
+        if muon and p.dim() == 2 and _in_blocks(name):
+            matrices.append(p)
+        else:
+            (decay if p.dim() >= 2 and "emb" not in name else no_decay).append(p)
     wd = cfg.weight_decay / cfg.lr if cfg.independent_decay else cfg.weight_decay
     groups = [{"params": decay, "weight_decay": wd}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    adamw = torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    if not muon:
+        return adamw
+    muon_lr = cfg.muon_lr or cfg.lr
+    muon_wd = cfg.weight_decay / muon_lr if cfg.independent_decay else cfg.weight_decay
+    ratio = muon_lr / cfg.lr
+    hidden = torch.optim.Muon(
+        [{"params": matrices, "lr_ratio": ratio}],
+        lr=muon_lr,
+        weight_decay=muon_wd,
+        momentum=cfg.muon_momentum,
+        adjust_lr_fn=cfg.muon_adjust_lr,
+    )
+    return [hidden, adamw]
+
+
+def _in_blocks(name: str) -> bool:
+    """A parameter of a Transformer block (``blocks.<i>.…``), not an embedding, final norm or head."""
+    return name.startswith("blocks.") or ".blocks." in name
+
+
+def optimizers(opt: Any) -> list[torch.optim.Optimizer]:
+    """The torch optimizers of `TrainRun.optimizer` (one, or a list)."""
+    return list(opt) if isinstance(opt, list | tuple) else [opt]
 
 
 def train(run: TrainRun, callbacks: Callbacks | None = None) -> TrainResult:
@@ -125,8 +159,9 @@ def train(run: TrainRun, callbacks: Callbacks | None = None) -> TrainResult:
     losses: list[float] = []
     try:
         for step in range(cfg.steps):
-            for group in opt.param_groups:  # the schedule; a rescue scales it in optimizer step hooks
-                group["lr"] = lr_at(step, cfg)
+            for group in (g for o in optimizers(opt) for g in o.param_groups):
+                # the schedule (Muon's groups at their lr_ratio); a rescue scales it in optimizer step hooks
+                group["lr"] = lr_at(step, cfg) * group.get("lr_ratio", 1.0)
             total = torch.zeros((), device=run.device)
             for _ in range(cfg.grad_accum):
                 x, y = run.corpus.batch("train", cfg.batch_size, run.context, gen)  # (B, T) each
@@ -139,7 +174,8 @@ def train(run: TrainRun, callbacks: Callbacks | None = None) -> TrainResult:
             amp.step(opt, model.parameters(), cfg.clip)
             if cb.after_update is not None:
                 cb.after_update(total)
-            opt.zero_grad(set_to_none=True)
+            for o in optimizers(opt):
+                o.zero_grad(set_to_none=True)
             value = float(total)  # sync point: the loop reports the loss each step
             losses.append(value)
             if cb.on_step is not None:

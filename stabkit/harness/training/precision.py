@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -69,17 +70,20 @@ class Amp:
         """``loss.backward()``, scaled by the GradScaler when there is one."""
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(
-        self, optimizer: torch.optim.Optimizer, params: Iterable[torch.Tensor], clip: float | None
-    ) -> None:
-        """Clip the (unscaled) gradients to `clip` and step `optimizer`; with a scaler, a step whose
-        scaled gradients hold Inf/NaN is skipped and the scale backs off (``scaler.update``)."""
+    def step(self, optimizer: Any, params: Iterable[torch.Tensor], clip: float | None) -> None:
+        """Clip the (unscaled) gradients to `clip` and step `optimizer` (one, or a list stepped in
+        order: Muon and AdamW); with a scaler, a step whose scaled gradients hold Inf/NaN is skipped
+        and the scale backs off (``scaler.update``)."""
+        opts = list(optimizer) if isinstance(optimizer, list | tuple) else [optimizer]
         if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
+            for opt in opts:
+                self.scaler.unscale_(opt)
         if clip is not None:
             torch.nn.utils.clip_grad_norm_(params, clip)
         if self.scaler is not None:
-            self.scaler.step(optimizer)
+            for opt in opts:
+                self.scaler.step(opt)
             self.scaler.update()
         else:
-            optimizer.step()
+            for opt in opts:
+                opt.step()

@@ -87,11 +87,15 @@ def test_rescue_quantities_from_events() -> None:
 # ---- a shortened run: the mechanism, not the numbers (those: test_slow.py)
 
 
+RESCUE = "rescue_qk_norm"
+"""The recipe's rescue variant restricted to qk_norm (its `rescue` variant prefers qk_clip, which adds no parameters)."""
+
+
 @pytest.fixture(scope="module")
 def rescued(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Summary]:
     out = tmp_path_factory.mktemp("rescue")
     recipe = load_recipe("attention-logit-growth", "tiny", steps=60)
-    recipe.variants = [v for v in recipe.variants if v.name in ("qk_norm", "rescue")]
+    recipe.variants = [v for v in recipe.variants if v.name in ("qk_norm", RESCUE)]
     return out, run_recipe(recipe, out, workers=1)
 
 
@@ -99,7 +103,7 @@ def test_a_shortened_attention_logit_growth_run_is_rescued_with_qk_norm(
     rescued: tuple[Path, Summary],
 ) -> None:
     out, summary = rescued
-    r = summary.variants["rescue"]
+    r = summary.variants[RESCUE]
     assert r["status"] == "done" and r["steps_done"] == 60
     assert r["rescue_count"] >= 1 and r["rescue_fixes"][0] == "qk_norm"
     first = r["rescues"][0]
@@ -110,11 +114,11 @@ def test_a_shortened_attention_logit_growth_run_is_rescued_with_qk_norm(
     assert r["steps_lost"] == sum(x["steps_lost"] for x in r["rescues"])
     assert r["events/rescue"] == r["rescue_count"]
     # the fix is on: the monitor logs it with the run, and the rescued model trained with its gains
-    rows = [json.loads(line) for line in (out / "rescue" / "stabkit.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / RESCUE / "stabkit.jsonl").read_text().splitlines()]
     rescue_rows = [row for row in rows if row.get("type") == "event" and row["kind"] == "rescue"]
     assert rescue_rows and rescue_rows[0]["details"]["fix"] == "qk_norm"
     assert rescue_rows[0]["details"]["new_parameters"] > 0
-    v = summary.verdicts["rescue"]
+    v = summary.verdicts[RESCUE]
     assert v["verdict"] in ("rescued", "not rescued") and v["rescue"]["compared_with"] == "qk_norm"
     assert v["rescue"]["steps_lost"] == r["steps_lost"] and v["rescue"]["step"] == first["step"]
     diff = r["val_loss"] - summary.variants["qk_norm"]["val_loss"]
@@ -129,7 +133,7 @@ def test_report_shows_the_rescue_events_and_the_verdict(rescued: tuple[Path, Sum
     out, summary = rescued
     result = CliRunner().invoke(main, ["report", str(out)], catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    step = summary.variants["rescue"]["rescue_step"]
+    step = summary.variants[RESCUE]["rescue_step"]
     assert f"step {step}: [rescue] qk_norm: rescue 1/2 after " in result.output
-    assert f"rescue: {summary.verdicts['rescue']['verdict']}" in result.output
+    assert f"{RESCUE}: {summary.verdicts[RESCUE]['verdict']}" in result.output
     assert f"rescue at step {step}: qk_norm switched on, rolled back to step" in result.output

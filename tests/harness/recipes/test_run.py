@@ -38,7 +38,15 @@ def test_every_variant_logs_to_its_own_folder_and_the_summary_is_complete(
     on_disk = json.loads((out / "summary.json").read_text())
     assert on_disk == json.loads(json.dumps(json_safe(summary.to_dict())))  # the returned Summary is the file
     assert on_disk["complete"] is True and on_disk["interrupted"] is False
-    assert list(on_disk["variants"]) == ["baseline", "qk_norm", "attn_softcap", "rescue", "reference"]
+    assert list(on_disk["variants"]) == [
+        "baseline",
+        "qk_norm",
+        "qk_clip",
+        "attn_softcap",
+        "rescue",
+        "rescue_qk_norm",
+        "reference",
+    ]
     for name, r in on_disk["variants"].items():
         assert r["status"] == "done" and r["steps_done"] == 30
         folder = out / name

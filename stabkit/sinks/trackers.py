@@ -1,0 +1,181 @@
+"""What the experiment-tracker sinks (Weights & Biases, MLflow) share: their error, the import that
+names the extra to install, the run's config as parameters, metric names, event and audit rows.
+
+Runs when a tracker sink is built (at `attach`, on the writing rank: `stabkit.distributed.rank_sinks`)
+and on each write. A tracker that cannot be reached, refuses a write or is not installed raises
+`TrackerError`, an OSError: `SinkSet` then warns once and switches that sink off — even with
+`MonitorConfig.strict`, since it is the environment failing, not stabkit — and training goes on.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import json
+import re
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+from ..events import Event
+from .jsonl import json_safe
+
+STEP_KEY = "stabkit/step"
+"""The monitor's step, logged with every row: the x-axis of stabkit's charts in a tracker (W&B's own
+step counter is shared with the user's logging, so stabkit never sets it)."""
+EVENT_COLUMNS = ("step", "kind", "where", "value", "threshold", "message", "advice", "details")
+"""Columns of the events table (W&B) and the keys of each event in ``stabkit/events.json`` (MLflow)."""
+AUDIT_COLUMNS = ("severity", "rule", "where", "evidence", "why", "fix")
+"""Columns of the audit table: one row per finding."""
+NOT_PARAMS = ("wandb", "mlflow")
+"""MonitorConfig fields left out of the run's parameters (where it writes, not what it measures)."""
+MAX_PARAM = 500
+"""Longest parameter value written (MLflow servers before 2.x refuse longer ones); longer is cut."""
+
+
+class TrackerError(OSError):
+    """A tracker could not be reached, refused a write, or is not installed."""
+
+
+def require(module: str, extra: str) -> Any:
+    """Import a tracker's package, or raise TrackerError saying which stabkit extra installs it."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise TrackerError(
+            f"the {module} package is not installed ({exc}): pip install 'stabkit[{extra}]'"
+        ) from exc
+
+
+@contextlib.contextmanager
+def translated(errors: tuple[type[BaseException], ...], what: str) -> Iterator[None]:
+    """Re-raise a tracker library's own errors (`errors`) as TrackerError naming `what` failed."""
+    try:
+        yield
+    except errors as exc:
+        raise TrackerError(f"{what}: {type(exc).__name__}: {exc}") from exc
+
+
+def plain(value: Any) -> Any:
+    """`value` as JSON types: dataclasses as dicts of their public fields, sets sorted, callables by name."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {
+            f.name: plain(getattr(value, f.name))
+            for f in dataclasses.fields(value)
+            if f.init and not f.name.startswith("_")
+        }
+    if isinstance(value, Mapping):
+        return {str(k): plain(v) for k, v in value.items()}
+    if isinstance(value, set | frozenset):
+        return sorted(plain(v) for v in value)
+    if isinstance(value, list | tuple):
+        return [plain(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if callable(value):
+        return getattr(value, "__qualname__", None) or repr(value)
+    return repr(value)
+
+
+def run_params(config: Any) -> dict[str, Any]:
+    """The monitor's settings (`MonitorConfig` with its `DetectConfig`) as nested JSON types, without
+    the tracker switches: a W&B config section, or MLflow parameters once flattened."""
+    if config is None:
+        return {}
+    params = plain(config)
+    for name in NOT_PARAMS:
+        params.pop(name, None)
+    return params
+
+
+def flat_params(nested: Mapping[str, Any], prefix: str = "stabkit") -> dict[str, str]:
+    """`{"detect": {"sync": None}}` -> `{"stabkit.detect.sync": "None"}`; lists as JSON; values cut
+    to `MAX_PARAM` characters. An empty dict is kept as "{}"."""
+    out: dict[str, str] = {}
+    for key, value in nested.items():
+        name = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping) and value:
+            out.update(flat_params(value, name))
+            continue
+        text = json.dumps(value) if isinstance(value, list | dict) else str(value)
+        out[name] = text[:MAX_PARAM]
+    return out
+
+
+_BAD = re.compile(r"[^/\w.\- ]")
+
+
+def safe_key(name: str, limit: int = 250) -> str:
+    """A metric or parameter name every tracker takes: characters other than letters, digits and
+    ``_-. /`` become ``_``; empty, ``.`` and ``..`` path parts (``act//rms`` for a root module) become
+    ``_``; at most `limit` characters."""
+    parts = [_BAD.sub("_", p) for p in name.split("/")]
+    parts = ["_" if p in ("", ".", "..") else p for p in parts]
+    return "/".join(parts)[:limit]
+
+
+def chart_group(name: str) -> str:
+    """The glob a metric's chart settings are declared for: ``act/*`` for ``act/blocks.0/rms``,
+    the name itself for a top-level metric (``loss``)."""
+    return name.split("/", 1)[0] + "/*" if "/" in name else name
+
+
+def metric_prefix(prefix: str | None, joined: bool) -> str:
+    """The option as given, else "" in a run stabkit started and "stabkit/" in a joined one."""
+    if prefix is not None:
+        return prefix
+    return "stabkit/" if joined else ""
+
+
+def run_name(name: str | None, logdir: str | Path | None) -> str | None:
+    """The run's name: the option, else the logdir's folder name (``runs/exp1`` -> ``exp1``)."""
+    if name:
+        return name
+    return Path(logdir).name or None if logdir is not None else None
+
+
+def event_row(event: Event) -> list[Any]:
+    """One event in `EVENT_COLUMNS` order (details as JSON text)."""
+    details = json.dumps(json_safe(event.details), default=str) if event.details else ""
+    return [
+        int(event.step),
+        event.kind,
+        str(event.where),
+        float(event.value),
+        float(event.threshold),
+        event.message,
+        event.advice,
+        details,
+    ]
+
+
+def audit_rows(report: Mapping[str, Any]) -> list[list[str]]:
+    """The audit report's findings (`Report.to_dict()`), one row each in `AUDIT_COLUMNS` order."""
+    rows = []
+    for f in report.get("findings", []):
+        rows.append(
+            [
+                str(f.get("severity", "")),
+                str(f.get("rule", "")),
+                ", ".join(map(str, f.get("where", []))),
+                json.dumps(f.get("evidence", {}), default=str),
+                str(f.get("why", "")),
+                ", ".join(map(str, f.get("fix", []))),
+            ]
+        )
+    return rows
+
+
+def note_path(tag: str, suffix: str = ".md") -> str:
+    """Where a text note goes among a run's files: ``stabkit/audit`` -> ``stabkit/audit.md``; a tag
+    of the user's (``notes``) goes under ``stabkit/`` too."""
+    key = safe_key(tag)
+    return (key if key.startswith("stabkit/") else f"stabkit/{key}") + suffix
+
+
+def notes_text(entries: list[tuple[int, str]]) -> str:
+    """A tag's notes as one file: the text itself when written once, else one section per step."""
+    if len(entries) == 1:
+        return entries[0][1]
+    return "\n\n".join(f"## step {step}\n\n{text}" for step, text in entries)
