@@ -121,6 +121,7 @@ PROBES: Registry[Any] = Registry(
         "logits": "stabkit.probes.logits:LogitProbe",
         "grad": "stabkit.probes.grads:GradProbe",
         "attn": "stabkit.probes.attention:AttentionProbe",
+        "outliers": "stabkit.probes.outliers:OutlierProbe",
     },
     "name",
     _add_families,

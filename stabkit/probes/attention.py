@@ -25,9 +25,13 @@ instead). Sites discovery already found opaque (impl ``"opaque"``: it warned at 
 Metrics per attention module (path `p`): ``attn/p/max_logit`` (combine max), ``attn/p/entropy``
 (mean), ``attn/p/min_head_entropy`` (min over micro-batches), with
 ``MonitorConfig.attn_per_head`` also ``attn/p/head.<h>/max_logit`` and ``.../head.<h>/entropy``.
+Attention sinks (on the uniform sample): ``attn/p/first_key_mass``, the largest per-head mean
+softmax probability on the first key, and ``attn/p/sink_heads``, the fraction of heads whose mass
+exceeds 0.3 (Gu et al., ICLR 2025; per head ``attn/p/head.<h>/first_key_mass``).
 With learned sink logits (GPT-OSS eager, kernels given ``sinks``), ``attn/p/sink_mass``: the mean
 softmax probability on the sinks (per head: ``attn/p/head.<h>/sink_mass``); the sinks enter the
-entropy but not the max logit. A softmax whose input the model shifted by its row max is read
+entropy but not the max logit, and their mass is the one ``first_key_mass`` / ``sink_heads`` read.
+A softmax whose input the model shifted by its row max is read
 unshifted (`attention_eager`).
 With a soft cap, also ``attn/p/max_logit_capped``:
 
@@ -68,8 +72,8 @@ from ..discovery.modelmap import OPAQUE
 from ..hooks import hook_warning
 from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
-from .attention_op import measured, opaque_ok
-from .attention_stats import HeadStats, Sampling, uncap
+from .attention_op import layout, measured, opaque_ok, summary_values
+from .attention_stats import HeadStats, Sampling
 from .base import Probe, ProbeContext, ProbeError
 
 INTERVENTION_CAP_ATTR = "_stabkit_attn_softcap"
@@ -104,15 +108,6 @@ class AttentionProbe(Probe):
         super().attach(ctx)
         sites = {a.path: a for a in ctx.model_map.attentions if a.path and a.impl != OPAQUE}
         self.modules: dict[str, nn.Module] = {p: ctx.model.get_submodule(p) for p in sites}
-        self._names: dict[str, tuple[str, str, str, str]] = {
-            p: (
-                f"attn/{p}/max_logit",
-                f"attn/{p}/entropy",
-                f"attn/{p}/min_head_entropy",
-                f"attn/{p}/max_logit_capped",
-            )
-            for p in self.modules
-        }
         self._inline = set(ctx.model_map.block_paths) & set(self.modules)
         """Blocks that compute attention inline: only their attention-shaped softmaxes are read."""
         self._off: set[str] = set()
@@ -285,31 +280,16 @@ class AttentionProbe(Probe):
     def _record(
         self, path: str, stats: HeadStats, seen_capped: float | None, applied_cap: float | None
     ) -> None:
+        """Eager: the statistics of one measured call, as the compiled ops pack them (`attention_op`)."""
         ctx = self.ctx
         assert ctx is not None
+        per_head = ctx.config.attn_per_head
+        capped = seen_capped is not None or applied_cap is not None
+        entries = layout(stats.max_logit.shape[0], stats.sink_sum is not None, capped, per_head)
+        values = summary_values(stats, seen_capped, applied_cap, per_head)
         rec = ctx.recorder
-        n_max, n_ent, n_min, n_capped = self._names[path]
-        top = stats.max_logit.amax()
-        if seen_capped is not None:
-            rec.add(n_max, uncap(top, seen_capped), combine="max", reduction="max")
-            rec.add(n_capped, top, combine="max", reduction="max")
-        else:
-            rec.add(n_max, top, combine="max", reduction="max")
-            if applied_cap is not None:
-                rec.add(n_capped, applied_cap * torch.tanh(top / applied_cap), combine="max", reduction="max")
-        rec.add(n_ent, stats.entropy(), combine="mean", reduction="mean")
-        rec.add(n_min, stats.min_head_entropy(), combine="min", reduction="min")
-        sink = stats.sink_mass()
-        if sink is not None:
-            rec.add(f"attn/{path}/sink_mass", sink.mean(), combine="mean", reduction="mean")
-        if ctx.config.attn_per_head:
-            head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
-            head_ent = stats.head_entropy()
-            for h in range(head_max.shape[0]):
-                rec.add(f"attn/{path}/head.{h}/max_logit", head_max[h], combine="max", reduction="max")
-                rec.add(f"attn/{path}/head.{h}/entropy", head_ent[h], combine="mean", reduction="mean")
-                if sink is not None:
-                    rec.add(f"attn/{path}/head.{h}/sink_mass", sink[h], combine="mean", reduction="mean")
+        for (name, combine, reduction), value in zip(entries, values, strict=True):
+            rec.add(f"attn/{path}/{name}", value, combine=combine, reduction=reduction)
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:
         """After a scoped forward: a training-mode forward that made no call the probe can read means

@@ -15,7 +15,8 @@ With sampling on (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`), a b
   the candidates find it). On the eager softmax path the logits are already materialised, so the max
   is taken over the whole tensor.
 
-Every value is a max over a subset of the allowed entries, so it never exceeds the exact max.
+Every value is a max over a subset of the allowed entries, so it never exceeds the exact max. The
+first-key mass (attention sinks) is measured on the uniform sample, with the entropy.
 
 Memory: every pass runs over blocks of (batch rows, heads, queries, keys) planned by
 `attention_blocks.plan` so that its temporaries stay within `budget` bytes
@@ -111,6 +112,7 @@ def _sweep(
             tops = [out.max_logit[hs]]  # (h,) per block
             for qs in q_spans:
                 sums = RowSums() if entropy else None  # the rows' softmax sums over the key blocks
+                first = None  # (b, h, l) softmax input at key 0
                 for ks in k_spans:
                     if causal_host and ks.start > blocks.last_query(qs):
                         continue  # causal: every key of the block comes after every query of it
@@ -119,13 +121,18 @@ def _sweep(
                     tops.append(masked_absmax(logits, blocked))
                     if sums is not None:
                         bias, modify = blocks.bias_block(rs, hs, qs, ks), blocks.modifier(rs, hs, qs, ks)
-                        sums.add(softmax_input(logits, blocked, bias, cap, modify))
+                        z = softmax_input(logits, blocked, bias, cap, modify)
+                        if ks.start == 0:
+                            first = z[..., 0].clone()
+                        sums.add(z)
                     del logits, blocked
                 if sums is not None:
                     if sinks is not None and out.sink_sum is not None:
                         sink = sinks[hs].view(1, -1, 1).expand(*sums.shape)  # (b, h, l)
                         sums.add(sink.unsqueeze(-1).clone())
                         out.sink_sum[hs] += sums.share(sink).sum(dim=(0, 2))
+                    if first is not None and out.first_sum is not None:
+                        out.first_sum[hs] += sums.share(first).sum(dim=(0, 2))
                     row_entropy, valid = sums.entropy()  # (b, h, l)
                     out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
                     out.rows[hs] += valid.sum(dim=(0, 2))
@@ -221,6 +228,7 @@ def _measure_logits(
         for hs in h_spans:
             for qs in q_spans:
                 sums = RowSums()
+                first = None  # (b, h, l) softmax input at key 0
                 for ks in k_spans:
                     part = sample[rs, hs, qs, ks]  # (b, h, l, s) view
                     blocked = part <= threshold  # masked by an additive finfo.min/-inf
@@ -228,14 +236,19 @@ def _measure_logits(
                         blocked = blocked | invalid[:, :, qs]
                     logits = part.to(torch.float32, copy=True)
                     out.max_logit[hs] = torch.maximum(out.max_logit[hs], masked_absmax(logits, blocked))
-                    sums.add(softmax_input(logits, blocked, None, cap))
-                    del part, blocked, logits
+                    z = softmax_input(logits, blocked, None, cap)
+                    if ks.start == 0:
+                        first = z[..., 0].clone()
+                    sums.add(z)
+                    del part, blocked, logits, z
                 if sink_sample is not None and out.sink_sum is not None:
                     sink = sink_sample[rs, hs, qs].float()  # (b, h, l, n)
                     if invalid is not None:
                         fill_(sink, invalid[:, :, qs], -torch.inf)
                     sums.add(sink.clone())
                     out.sink_sum[hs] += sums.share(sink).sum(dim=(0, 2))
+                if first is not None and out.first_sum is not None:
+                    out.first_sum[hs] += sums.share(first).sum(dim=(0, 2))
                 row_entropy, valid = sums.entropy()
                 out.entropy_sum[hs] += row_entropy.sum(dim=(0, 2))
                 out.rows[hs] += valid.sum(dim=(0, 2))

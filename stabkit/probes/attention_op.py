@@ -38,11 +38,13 @@ def layout(heads: int, sinks: bool, capped: bool, per_head: bool) -> list[Entry]
     if capped:
         out.append(("max_logit_capped", "max", "max"))
     out += [("entropy", "mean", "mean"), ("min_head_entropy", "min", "min")]
+    out += [("sink_heads", "mean", "mean"), ("first_key_mass", "max", "max")]
     if sinks:
         out.append(("sink_mass", "mean", "mean"))
     if per_head:
         for h in range(heads):
             out += [(f"head.{h}/max_logit", "max", "max"), (f"head.{h}/entropy", "mean", "mean")]
+            out.append((f"head.{h}/first_key_mass", "mean", "mean"))
             if sinks:
                 out.append((f"head.{h}/sink_mass", "mean", "mean"))
     return out
@@ -59,15 +61,15 @@ def summary_values(
         out = [top]
         if applied_cap is not None:
             out.append(applied_cap * torch.tanh(top / applied_cap))
-    out += [stats.entropy(), stats.min_head_entropy()]
+    out += [stats.entropy(), stats.min_head_entropy(), *stats.attention_sinks()]
     sink = stats.sink_mass()
     if sink is not None:
         out.append(sink.mean())
     if per_head:
         head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
-        head_ent = stats.head_entropy()
+        head_ent, head_first = stats.head_entropy(), stats.first_key_mass()
         for h in range(head_max.shape[0]):
-            out += [head_max[h], head_ent[h]]
+            out += [head_max[h], head_ent[h], head_first[h]]
             if sink is not None:
                 out.append(sink[h])
     return out

@@ -12,7 +12,10 @@ Definitions (one attention call, on the measured rows and query positions):
 - the *entropy* of a query row: ``-Σ p log p`` of the attention distribution over its allowed keys
   (``p = softmax(logit + additive bias)``; with a soft cap, of the capped logits); query rows with no
   allowed key are left out;
-- ``entropy`` of a head: the mean over its measured query rows.
+- ``entropy`` of a head: the mean over its measured query rows;
+- the *first-key mass* of a query row: its softmax probability on key 0 (``exp(z₀ − log Σ e^z)``, 0
+  when key 0 is masked for it); of a head: the mean over its measured rows. Gu et al. (ICLR 2025)
+  count a head whose mean first-key mass exceeds 0.3 as a *sink head* (`SINK_HEAD`).
 
 With ``z`` the softmax input of a row and ``m`` a reference (its running max), the entropy is
 ``log Σe − Σ e·(z − m) / Σe`` with ``e = exp(z − m)``; `RowSums` keeps ``Σe`` and ``Σ e·(z − m)``
@@ -33,6 +36,7 @@ from .attention_sample import EXACT, Sample, Sampling
 __all__ = [
     "CLAMP",
     "EXACT",
+    "SINK_HEAD",
     "HeadStats",
     "RowSums",
     "Sample",
@@ -42,6 +46,10 @@ __all__ = [
     "softmax_input",
     "uncap",
 ]
+
+SINK_HEAD = 0.3
+"""Gu et al. (ICLR 2025): a head is a sink head when its mean attention on the first key (with
+learned sink logits: on the sinks) exceeds this."""
 
 CLAMP = -80.0
 """Lowest shifted logit ``z − max`` that enters the sums (exp stays a normal float32)."""
@@ -57,17 +65,31 @@ class HeadStats:
     """(H,) sum of the entropies of the measured query rows of each head."""
     rows: torch.Tensor
     """(H,) number of measured query rows (with at least one allowed key) of each head."""
+    first_sum: torch.Tensor | None = None
+    """(H,) sum over the measured rows of the probability on key 0 (None: not measured)."""
     sink_sum: torch.Tensor | None = None
     """(H,) sum over the measured rows of the probability on learned sink logits (None: no sinks)."""
 
     @classmethod
     def zeros(cls, heads: int, device: torch.device) -> HeadStats:
         """Nothing measured yet (max 0: |logit| >= 0, and a head without allowed entries reads 0)."""
-        return cls(*(torch.zeros(heads, device=device) for _ in range(3)))
+        return cls(*(torch.zeros(heads, device=device) for _ in range(4)))
 
     def sink_mass(self) -> torch.Tensor | None:
         """(H,) mean probability on the sink logits per head (None without sinks)."""
         return None if self.sink_sum is None else self.sink_sum / self.rows.clamp_min(1)
+
+    def first_key_mass(self) -> torch.Tensor:
+        """(H,) mean probability on key 0 per head (0 for a head without measured rows)."""
+        first = self.first_sum if self.first_sum is not None else torch.zeros_like(self.rows)
+        return first / self.rows.clamp_min(1)
+
+    def attention_sinks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """0-d (sink-head fraction, largest per-head mass): the mass is the first-key mass, or with
+        learned sink logits the sinks' mass; a sink head's mass exceeds `SINK_HEAD` (Gu et al.)."""
+        sink = self.sink_mass()
+        mass = self.first_key_mass() if sink is None else sink  # (H,)
+        return (mass > SINK_HEAD).float().mean(), mass.amax()
 
     def entropy(self) -> torch.Tensor:
         """0-d mean entropy over all heads' measured rows."""

@@ -8,7 +8,9 @@ When it runs:
 - in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
   norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
   snapshot of the parameters on sampled steps;
-- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps, with
+- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps, and the
+  update norm ‖θ_new − θ_old‖ itself per unit and in all (Marin 32B: Adam update-norm spikes came
+  before loss and gradient-norm spikes), with
   ‖Δθ‖ rebuilt from the optimizer state for Adam/AdamW/SGD (`updates.py`), so no copy of the
   parameters is kept; other optimizers get a snapshot on sampled steps.
 
@@ -49,7 +51,7 @@ def parameter_units(model: nn.Module, block_of: Any) -> tuple[list[str], list[nn
 
 class GradProbe(Probe):
     """Writes grad/global_norm, grad/<unit>/norm, grad/param_group.<i>/norm, param/<unit>/norm,
-    update/<unit>/ratio and update/global_ratio."""
+    update/<unit>/ratio, update/global_ratio, update/<unit>/norm and update/norm."""
 
     name = "grad"
     families = frozenset({"grad", "param", "update"})
@@ -225,7 +227,9 @@ class GradProbe(Probe):
             o = [n for i, n in zip(idx, self._old_norms) if self.unit_index[i] == u]
             if d:
                 self._record_ratio(f"update/{unit}/ratio", l2_of_norms(d), l2_of_norms(o))
+                ctx.recorder.add(f"update/{unit}/norm", l2_of_norms(d), reduction="l2")
         self._record_ratio("update/global_ratio", l2_of_norms(deltas), l2_of_norms(self._old_norms))
+        ctx.recorder.add("update/norm", l2_of_norms(deltas), reduction="l2")
 
     def _record_ratio(self, name: str, delta: torch.Tensor, old: torch.Tensor) -> None:
         """‖Δθ‖/‖θ_old‖; under FSDP2 both parts, each an 'l2' of shards, divided after the reduction."""

@@ -27,6 +27,7 @@ from collections.abc import Callable
 
 import torch
 
+from .outliers import outlier_stats
 from .recorder import Combine
 from .reductions import logit_stats, tensor_stats
 
@@ -56,6 +57,8 @@ def gate_open(gate: int, every: int) -> bool:
 
 TENSOR_COMBINES: tuple[Combine, ...] = ("rms", "max", "sum")
 """How the entries of `tensor_stats_packed` combine over micro-batches (rms, abs-max, non-finite count)."""
+OUTLIER_COMBINES: tuple[Combine, ...] = ("max", "last", "mean")
+"""How the entries of `outlier_stats_packed` combine (massive ratio, its channel, channel-RMS kurtosis)."""
 LOGIT_COMBINES: tuple[Combine, ...] = ("max", "mean", "max", "mean")
 """How the entries of `logit_stats_packed` combine (max |logit|, mean log Z, max log Z, mean logit)."""
 
@@ -90,3 +93,19 @@ def logit_stats_packed(logits: torch.Tensor, gate: int, every: int) -> torch.Ten
 @logit_stats_packed.register_fake
 def _(logits: torch.Tensor, gate: int, every: int) -> torch.Tensor:
     return logits.new_empty((5,), dtype=torch.float32)
+
+
+@torch.library.custom_op("stabkit::outlier_stats", mutates_args=())
+def outlier_stats_packed(x: torch.Tensor, gate: int, every: int) -> torch.Tensor:
+    """(4,) float32: massive ratio, massive dim, channel-RMS kurtosis of `x` (`stabkit.stats.outliers`),
+    and the count 1."""
+    if not gate_open(gate, every):
+        return torch.zeros(4, device=x.device)
+    with torch.no_grad():
+        ratio, dim, kurtosis = outlier_stats(x)
+        return torch.stack([ratio, dim, kurtosis, torch.ones((), device=ratio.device)])
+
+
+@outlier_stats_packed.register_fake
+def _(x: torch.Tensor, gate: int, every: int) -> torch.Tensor:
+    return x.new_empty((4,), dtype=torch.float32)

@@ -1,0 +1,81 @@
+"""Outlier probe: massive activations and outlier features of each block's output (the residual stream).
+
+Forward hooks on the blocks discovery found (those `MonitorConfig.modules` selects, when it is set),
+active on sampled steps (`MonitorConfig.every`) in training forwards only, like the activation probe;
+it serves the ``act`` family. Per block ``b`` (definitions: `stabkit.stats.outliers`):
+
+- ``act/<b>/massive_ratio``: the largest |x| of a token over that token's median |x|, max over tokens
+  (Sun et al. 2024: massive activations ~1000× the median, in fixed channels);
+- ``act/<b>/massive_dim``: the channel of the largest |x| (a fixed channel is the signature);
+- ``act/<b>/kurtosis``: the excess kurtosis of the per-channel RMS (outlier features: He et al.,
+  NeurIPS 2024; OSP reports 1818 with Adam against 0.04 — FOG's predictor of fp8 divergence).
+
+The largest |x| itself is the activation probe's ``act/<b>/absmax``. Under ``torch.compile`` the
+statistics come from the opaque op ``torch.ops.stabkit.outlier_stats`` (`stabkit.stats.opaque`: the
+eager code, one graph output; a gated phase's op decides at run time). No host sync.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..distributed import is_dtensor, local
+from ..stats import outlier_stats
+from ..stats.opaque import OUTLIER_COMBINES
+from ..stats.recorder import Reduction
+from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
+
+STATS = ("massive_ratio", "massive_dim", "kurtosis")
+"""The statistics of a block output, in `outlier_stats` order."""
+REDUCTIONS: tuple[Reduction, ...] = ("max", "max", "mean")
+"""Cross-rank reductions of the massive ratio, its channel and the channel-RMS kurtosis."""
+
+
+class OutlierProbe(Probe):
+    """Writes `act/<block>/massive_ratio`, `act/<block>/massive_dim`, `act/<block>/kurtosis` on sampled steps."""
+
+    name = "outliers"
+    families = frozenset({"act"})
+
+    def attach(self, ctx: ProbeContext) -> None:
+        super().attach(ctx)
+        blocks = list(ctx.model_map.block_paths)
+        chosen = set(select_modules(ctx.model, ctx.config.modules, blocks))
+        self.paths = [p for p in blocks if p in chosen]
+        self.watch_forwards()
+        for path in self.paths:
+            module = ctx.model.get_submodule(path)
+            self.handles.append(ctx.hooks.forward(self.name, module, self._make_hook(path)))
+
+    def _make_hook(self, path: str) -> Any:
+        names = tuple(f"act/{path}/{s}" for s in STATS)
+
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            ctx = self.ctx
+            assert ctx is not None
+            if self.enabled and ctx.sampled() and ctx.training_forward(module):
+                self._measure(names, output)
+
+        return hook
+
+    @guarded
+    def _measure(self, names: tuple[str, ...], output: Any) -> None:
+        """Forward hook body (after a block's forward, in a sampled training forward)."""
+        ctx = self.ctx
+        assert ctx is not None
+        x = first_tensor(output)
+        if is_dtensor(x):  # tensor parallel: this rank's piece
+            x = local(x)
+        if torch.compiler.is_compiling():
+            phase, every = ctx.phase, ctx.config.every
+            packed = torch.ops.stabkit.outlier_stats(x.detach(), phase.gate, every)
+            cadence = every if phase.gated else None
+            ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, packed, cadence)
+            return
+        for name, value, combine, reduction in zip(
+            names, outlier_stats(x), OUTLIER_COMBINES, REDUCTIONS, strict=True
+        ):
+            ctx.recorder.add(name, value, combine=combine, reduction=reduction)
