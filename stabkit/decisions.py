@@ -70,6 +70,8 @@ class Wiring:
     distributed: bool = False
     overflowed: Callable[[], bool] | None = None
     """With an enabled fp16 GradScaler: whether this step's update was skipped; None without one."""
+    warmup_steps: int | None = None
+    """The run's LR warmup as `attach` was told it (None: not known)."""
 
 
 def _fetch(tensors: list[torch.Tensor], reductions: list[str]) -> list[float]:
@@ -98,7 +100,7 @@ class Decisions:
         self.config = config = config.resolved(device_type)
         self.wiring = wiring
         self.recorder = wiring.recorder
-        self.judge = Judge(DetectorContext.from_model_map(wiring.model_map, config))
+        self.judge = Judge(DetectorContext.from_model_map(wiring.model_map, config, wiring.warmup_steps))
         self.devices: dict[str, DeviceChecks] = {}
         """The device part of each running kind that has one (`Detector.device_checks`)."""
         for kind, detector in self.judge.detectors.items():

@@ -7,7 +7,7 @@ the hooks themselves run inside the user's forward, backward and `optimizer.step
 
 Order at attach (the Monitor registers in this order, so hooks of the same event run in it too):
 1. the Monitor's input guard (forward pre-hook on the root: refuses an empty batch);
-2. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention): their
+2. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention, outliers): their
    forward hooks and the gradient probe's optimizer step pre-/post-hooks;
 3. the detectors' device checks (`stabkit.nonfinite`: step guard on the root's forward, tracer with
    ``per_module``) and `stabkit.decisions.Decisions`' optimizer step pre-/post-hooks — after the gradient probe's, so the step's gradient

@@ -68,6 +68,8 @@ class Monitor:
         interventions: InterventionSpecs | None = None,
         scaler: torch.amp.GradScaler | None = None,
         example: Any = None,
+        lr: float | None = None,
+        warmup_steps: int | None = None,
     ) -> None:
         if not isinstance(model, nn.Module):
             raise TypeError(
@@ -81,6 +83,15 @@ class Monitor:
         check_optimizer(model, optimizer)
         self.model = model
         self.scaler = scaler
+        if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
+            raise ValueError(
+                f"warmup_steps must be None (not known) or an integer >= 0, got {warmup_steps!r}"
+            )
+        if lr is not None and not lr > 0:
+            raise ValueError(f"lr must be None (not known) or a positive number, got {lr!r}")
+        self.schedule: dict[str, Any] = {"lr": lr, "warmup_steps": warmup_steps}
+        """The run's peak LR and warmup as the caller said them (None: not known): the audit at
+        attach and the detectors (`DetectorContext.warmup_steps`) read them."""
         self._device = next((p.device for p in model.parameters()), torch.device("cpu"))
         self.optimizer: Any = optimizer
         """The optimizer (or `stabkit.optimizers.OptimizerSet` of several) the monitor watches."""
@@ -246,6 +257,7 @@ class Monitor:
             sampled_every=self.config.every,
             distributed=self.dist.active,
             overflowed=(lambda: grad is not None and grad.skipped) if scaled else None,
+            warmup_steps=self.schedule["warmup_steps"],
         )
         self.detectors = Decisions(wiring, config or DetectConfig())
         return self.detectors
@@ -304,7 +316,7 @@ class Monitor:
         from .audit import audit
 
         try:
-            report = audit(self.model, self.optimizer, model_map=self.model_map)
+            report = audit(self.model, self.optimizer, model_map=self.model_map, **self.schedule)
         except Exception as exc:  # the audit must never stop training
             warnings.warn(
                 f"stabkit: the audit failed ({type(exc).__name__}: {exc}); continuing", stacklevel=3
@@ -472,6 +484,8 @@ def attach(
     interventions: InterventionSpecs | None = None,
     scaler: torch.amp.GradScaler | None = None,
     example: Any = None,
+    lr: float | None = None,
+    warmup_steps: int | None = None,
 ) -> Monitor:
     """Attach stabkit to `model` (and `optimizer`, or a list of optimizers): hooks on, statistics to `logdir`.
 
@@ -483,7 +497,9 @@ def attach(
     run's logs is not mixed into: the run writes to ``<logdir>/run-<n>`` (`Monitor.logdir` names it;
     `MonitorConfig.logdir_mode` chooses 'append' or 'overwrite' instead). With fp16 and a `torch.amp.GradScaler`, pass it as `scaler` so
     gradient norms are unscaled and skipped steps are reported as `amp/overflow`. `interventions` switches fixes on first (e.g.
-    ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again.
+    ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again. `lr` and
+    `warmup_steps`: the run's peak learning rate and warmup, when known — the audit at attach and the
+    detectors use them (post-norm without warmup is flagged when the warmup is 0 or not given).
     """
     return Monitor(
         model,
@@ -494,4 +510,6 @@ def attach(
         interventions=interventions,
         scaler=scaler,
         example=example,
+        lr=lr,
+        warmup_steps=warmup_steps,
     )

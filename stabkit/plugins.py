@@ -136,6 +136,9 @@ DETECTORS: Registry[Any] = Registry(
         "drift": "stabkit.detectors.drift:DriftDetector",
         "amp": "stabkit.nonfinite.amp:AmpDetector",
         "attn_entropy": "stabkit.detectors.entropy:EntropyCollapseDetector",
+        "update_norm": "stabkit.detectors.update_norm:UpdateNormDetector",
+        "outliers": "stabkit.detectors.outliers:OutlierDetector",
+        "depth_grad": "stabkit.detectors.depth_grad:DepthGradDetector",
     },
     "kind",
 )

@@ -1,5 +1,6 @@
 """Detectors: pure plug-ins that read host values of named series and return events (spike, drift,
-attention-entropy collapse, and any registered one), the advice table they declare, the model-free
+attention-entropy collapse, update-norm spikes, outlier onsets, depth-gradient imbalance, and any
+registered one), the advice table they declare, the model-free
 `Judge` that runs them, and the extension point of a kind that must see tensors (`device`). Each
 plug-in's settings are an options dataclass in its own file (`SpikeOptions`, `DriftOptions`,
 `EntropyOptions`). Importing this package loads no torch.
@@ -12,15 +13,20 @@ built by the Monitor at attach.
 from ..detect_config import DetectConfig
 from .advice import Advice, advice_table, advise, describe_advice
 from .base import BlockInfo, Detector, DetectorContext, Observation
+from .depth_grad import DepthGradDetector, DepthGradOptions
 from .device import DeviceChecks, DeviceContext
 from .drift import DriftDetector, DriftOptions
 from .entropy import EntropyCollapseDetector, EntropyOptions
 from .judge import Judge
+from .outliers import OutlierDetector, OutlierOptions
 from .spike import SpikeDetector, SpikeOptions
+from .update_norm import UpdateNormDetector, UpdateNormOptions
 
 __all__ = [
     "Advice",
     "BlockInfo",
+    "DepthGradDetector",
+    "DepthGradOptions",
     "DetectConfig",
     "Detector",
     "DetectorContext",
@@ -32,8 +38,12 @@ __all__ = [
     "EntropyOptions",
     "Judge",
     "Observation",
+    "OutlierDetector",
+    "OutlierOptions",
     "SpikeDetector",
     "SpikeOptions",
+    "UpdateNormDetector",
+    "UpdateNormOptions",
     "advice_table",
     "advise",
     "describe_advice",

@@ -58,12 +58,17 @@ class DetectorContext:
     norm_paths: tuple[str, ...] = ()
     output_head: str | None = None
     vocab_size: int | None = None
+    warmup_steps: int | None = None
+    """The run's LR warmup in steps, when `attach` was told it (None: not known)."""
 
     @classmethod
-    def from_model_map(cls, model_map: ModelMap, config: DetectConfig) -> DetectorContext:
-        """The context of a discovered model."""
+    def from_model_map(
+        cls, model_map: ModelMap, config: DetectConfig, warmup_steps: int | None = None
+    ) -> DetectorContext:
+        """The context of a discovered model (`warmup_steps`: the run's warmup, if known)."""
         return cls(
             config=config,
+            warmup_steps=warmup_steps,
             attention_paths=tuple(model_map.attention_paths),
             blocks=tuple(BlockInfo(b.path, b.index, str(b.placement)) for b in model_map.blocks),
             norm_paths=tuple(n.path for b in model_map.blocks for n in b.norms),

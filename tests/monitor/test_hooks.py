@@ -57,6 +57,7 @@ def test_hooks_are_registered_in_the_documented_order_and_removed_at_detach() ->
         "logits",
         "grad",
         "attn",
+        "outliers",
         "step-guard",
         "detectors",
     ]

@@ -211,6 +211,8 @@ def watch(job: Job, run: Built) -> Monitor:
         logdir=job.logdir,
         config=monitor_config(job.recipe, variant),
         scaler=trainer.amp.scaler,
+        lr=run.config.lr,
+        warmup_steps=run.config.warmup,
     )
     if run.handle is not None:
         monitor.write_text("stabkit/interventions", ", ".join(run.handle.names))
