@@ -7,8 +7,11 @@ touches the global RNG.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
+
+from .synthetic import SyntheticSpec, synthetic_corpus
 
 VAL_FRACTION = 0.1
 MIN_TEXT_BYTES = 1000
@@ -45,8 +48,11 @@ class ByteCorpus:
         return windows[:, :-1], windows[:, 1:]
 
 
-def load_corpus(path: str | Path | None = None) -> ByteCorpus:
-    """The user's text file as bytes, or the embedded default when `path` is None."""
+def load_corpus(path: str | Path | SyntheticSpec | None = None) -> Any:
+    """The user's text file as bytes, the embedded default when `path` is None, or the synthetic
+    language of a `SyntheticSpec` (`stabkit.harness.data.synthetic`, made once per process)."""
+    if isinstance(path, SyntheticSpec):
+        return synthetic_corpus(path)
     if path is None:
         return ByteCorpus(embedded_text(), "pydoc_data.topics")
     p = Path(path)

@@ -154,9 +154,9 @@ def load_recipe(
             spec_.seed = seed
     if data is not None:
         recipe.data = data
-    elif recipe.data is not None and not Path(recipe.data).is_absolute():
+    elif isinstance(recipe.data, str) and not Path(recipe.data).is_absolute():
         recipe.data = str((path.parent / recipe.data).resolve())
-    if recipe.data is not None:
+    if isinstance(recipe.data, str):
         problem = text_problem(recipe.data, recipe.model.context)
         if problem and data is not None:
             raise ValueError(f"--data: {problem}")

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...config import MonitorConfig
 from ...detect_config import DetectConfig
+from ..data.synthetic import SyntheticSpec
 from ..models import PRESETS, GPTConfig
 from ..training import TrainConfig
 from .checks import Check, parse_checks
@@ -28,6 +29,7 @@ from .schema import (
     parse_model_over,
     parse_monitor,
     parse_sweep,
+    parse_synthetic,
     parse_train,
     train_defaults,
 )
@@ -105,8 +107,9 @@ class Recipe:
     """How the variants are monitored (the detectors: each variant's `detect`)."""
     description: str = ""
     references: list[str] = field(default_factory=list)
-    data: str | None = None
-    """Path of the training text (None: the embedded default)."""
+    data: str | SyntheticSpec | None = None
+    """Path of the training text, or a synthetic Zipf language (``[data] synthetic = {...}``); None:
+    the embedded default."""
     detect: DetectConfig = field(default_factory=DetectConfig)
     """The recipe's [detect] table (each variant may set more over it)."""
     fault: FaultSpec | None = None
@@ -263,7 +266,9 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
         for n, v in raw_variants.items()
     ]
     criteria = table(t.get("criteria"), "criteria", CRITERIA_KEYS)
-    data = table(t.get("data"), "data", ("path",))
+    data = table(t.get("data"), "data", ("path", "synthetic"))
+    if data.get("path") and data.get("synthetic") is not None:
+        raise RecipeError("data", "give either path or synthetic, not both")
     sizes = {
         s: {
             k: string(v, f"sizes.{s}.{k}")
@@ -283,7 +288,9 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
         monitor=parse_monitor(t.get("monitor")),
         description=string(t.get("description", ""), "description"),
         references=[string(r, "references") for r in t.get("references", [])],
-        data=string(data["path"], "data.path") if data.get("path") else None,
+        data=string(data["path"], "data.path")
+        if data.get("path")
+        else parse_synthetic(data.get("synthetic")),
         detect=detect,
         fault=parse_fault(t.get("fault")),
         depth=parse_depth(t.get("depth")),
@@ -292,6 +299,12 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
         source=source,
     )
     _check_references(recipe)
+    if isinstance(recipe.data, SyntheticSpec) and recipe.model.vocab_size != recipe.data.vocab:
+        raise RecipeError(
+            "data.synthetic.vocab",
+            f"is {recipe.data.vocab}, so [model] needs vocab_size = {recipe.data.vocab} "
+            f"(got {recipe.model.vocab_size})",
+        )
     return recipe
 
 

@@ -99,7 +99,7 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
         "device": device,
         "seed": recipe.train.seed,
         "steps": recipe.train.steps,
-        "data": recipe.data or "embedded (pydoc_data.topics)",
+        "data": data_name(recipe.data),
         "model": recipe.model.to_dict(),
         "train": asdict(recipe.train),
         "fault": asdict(recipe.fault) if recipe.fault else None,
@@ -110,6 +110,13 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
         },
         "variant_roles": {v.name: v.role for v in recipe.variants},
     }
+
+
+def data_name(data: Any) -> str:
+    """The training data as a line: a path, a synthetic language's spec, or the embedded text."""
+    if data is None:
+        return "embedded (pydoc_data.topics)"
+    return data if isinstance(data, str) else str(data.describe())
 
 
 def write_json(path: Path, data: dict[str, Any]) -> None:

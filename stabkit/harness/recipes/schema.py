@@ -19,6 +19,7 @@ from typing import Any, Literal
 from ...config import MonitorConfig
 from ...detect_config import DetectConfig
 from ...tables import TableError, bounds, fill
+from ..data.synthetic import SyntheticSpec
 from ..models import GPTConfig, preset_config
 from ..models.presets import PRESET_BATCH
 from ..training import TrainConfig
@@ -79,6 +80,12 @@ def _fill(cls: type[Any], raw: Any, where: str, base: Any = None, exclude: tuple
         return fill(cls, raw, where, base, exclude=exclude)
     except TableError as exc:
         raise RecipeError.of(exc) from None
+
+
+def parse_synthetic(raw: Any) -> SyntheticSpec | None:
+    """The ``[data] synthetic`` table (a `SyntheticSpec`: vocab, zipf, tokens, clusters, local, seed),
+    or None when absent."""
+    return None if raw is None else _fill(SyntheticSpec, raw, "data.synthetic")
 
 
 @dataclass
