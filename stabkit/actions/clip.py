@@ -34,11 +34,14 @@ action 'skip' on the spike detector (median + 6 robust σ over 128 values).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 
+from ..distributed import like_param, local, process_group_active, reduce_now, replicas
 from ..events import Event
 from ..hooks import DIRECT
 from ..plugins import ACTIONS
@@ -87,10 +90,19 @@ def _params(optimizer: Any) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _global_norm(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """0-d float32 L2 norm of all `tensors` together (one foreach pass, no sync)."""
-    norms = torch._foreach_norm(tensors)
-    return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+def _global_norm(tensors: list[torch.Tensor], params: list[torch.Tensor]) -> torch.Tensor:
+    """0-d float32 L2 norm of all `tensors` together (one foreach pass, no sync). Under
+    torch.distributed the norm of the whole tensors, the same on every rank, so every rank clips
+    alike: each rank's pieces (a DTensor gradient in its parameter's layout), a piece several ranks
+    hold counted once, combined by one collective (`stabkit.distributed`)."""
+    if not process_group_active():
+        norms = torch._foreach_norm(tensors)
+        return torch.linalg.vector_norm(torch.stack([n.float() for n in norms]))
+    world = dist.get_world_size()
+    pieces = [like_param(t, p) for t, p in zip(tensors, params, strict=True)]
+    norms = torch._foreach_norm([local(t) for t in pieces])
+    scaled = [n.float() / math.sqrt(replicas(t, world)) for n, t in zip(norms, pieces, strict=True)]
+    return reduce_now(torch.linalg.vector_norm(torch.stack(scaled)).reshape(1), ["l2"]).reshape(())
 
 
 class ZClip:
@@ -200,12 +212,13 @@ class Clip(Action):
     @torch.no_grad()
     def _clip_gradients(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         assert self.ctx.optimizer is not None
-        grads = [p.grad for p in _params(self.ctx.optimizer) if p.grad is not None]
+        params = [p for p in _params(self.ctx.optimizer) if p.grad is not None]
+        grads = [p.grad for p in params if p.grad is not None]
         if not grads:  # another action skipped the update
             return
-        norm = _global_norm(grads)
+        norm = _global_norm(grads, params)
         seen = self.rule.step(norm)
-        torch._foreach_mul_(grads, seen["scale"])
+        torch._foreach_mul_([local(g) for g in grads], seen["scale"])
         self._log(seen, norm * seen["scale"])
 
     # ------------------------------------------------------------------ update norm (after it)
@@ -226,11 +239,12 @@ class Clip(Action):
         if all(p.grad is None for p in params):  # the update was skipped: nothing to measure
             return
         deltas = list(torch._foreach_sub(params, self._saved))
-        norm = _global_norm(deltas)
+        norm = _global_norm(deltas, params)
         seen = self.rule.step(norm)
         scale = seen["scale"]
         clipped = scale < 1
         for p, before, delta in zip(params, self._saved, deltas, strict=True):
+            p, before, delta = local(p), local(before), local(delta)  # DTensors: this rank's pieces
             p.copy_(torch.where(clipped, before + delta * scale.to(delta.dtype), p))
         self._log(seen, norm * scale)
 

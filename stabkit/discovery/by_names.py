@@ -73,7 +73,8 @@ def by_names(model: nn.Module, hints: dict[str, Any]) -> ModelMap:
 
 
 def _block_paths(model: nn.Module, modules: dict[str, nn.Module], hints: dict[str, Any]) -> list[str]:
-    """Paths of the Transformer blocks: from the hint, else the longest ModuleList of attention-bearing children."""
+    """Paths of the Transformer blocks: from the hint, else the longest ModuleList (Sequential, or
+    ModuleDict as in torchtitan) of attention-bearing children."""
     spec = hints.get("blocks")
     if spec is not None:
         if isinstance(spec, str):
@@ -87,7 +88,7 @@ def _block_paths(model: nn.Module, modules: dict[str, nn.Module], hints: dict[st
         return paths
     best: list[str] = []
     for name, mod in modules.items():
-        if not isinstance(mod, nn.ModuleList | nn.Sequential) or len(mod) == 0:
+        if not isinstance(mod, nn.ModuleList | nn.Sequential | nn.ModuleDict) or len(mod) == 0:
             continue
         kids = list(mod.named_children())
         if all(not is_attention(c) and find_attention(c) is not None for _, c in kids) and len(kids) > len(
@@ -102,7 +103,7 @@ def _block_paths(model: nn.Module, modules: dict[str, nn.Module], hints: dict[st
 def _nothing_found(model: nn.Module, modules: dict[str, nn.Module]) -> str:
     kinds = Counter(type(m).__name__ for n, m in modules.items() if n)
     common = ", ".join(f"{k}×{v}" for k, v in kinds.most_common(8)) or "no submodules"
-    lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList)]
+    lists = [n for n, m in modules.items() if isinstance(m, nn.ModuleList | nn.ModuleDict)]
     return (
         f"no attention found in {type(model).__name__}: stabkit looks for a ModuleList of blocks that each "
         f"contain an attention module (nn.MultiheadAttention or a class named *Attention*/*Attn*). "

@@ -8,8 +8,14 @@ Three modes:
   rank holds a piece of it.
 
 Norms combine across ranks as √(Σ over ranks of local²). A parameter held identically by r ranks
-(r = world size for a plain replicated parameter, the product of the mesh sizes of its Replicate
-dimensions for a DTensor) enters each rank's sum as local²/r, so the sum counts it once.
+enters each rank's sum as local²/r, so the sum counts it once: r = the world size for a plain
+replicated parameter; for a DTensor, the product of the mesh sizes of its Replicate dimensions
+times the ranks outside its mesh (world size / mesh size). The latter counts a DTensor on a sub-mesh
+once: under FSDP2 × tensor parallel a parameter the TP plan left alone (a norm weight without
+sequence parallel) is sharded on the data-parallel mesh only and held identically by every TP rank.
+A DTensor gradient can come in another layout than its parameter (a Shard(0) embedding's gradient
+is Replicate; a SequenceParallel norm weight's is Partial, a sum not yet taken): `like_param` lays
+it out as the parameter first.
 """
 
 from __future__ import annotations
@@ -29,11 +35,13 @@ ENV_SWITCH = "STABKIT_DISTRIBUTED"
 """Set to 0 / off / false to make every process behave as a single-process run (no collectives)."""
 
 try:  # DTensor needs a torch built with distributed support
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Replicate
 except ImportError:  # pragma: no cover - builds without torch.distributed
 
     class DTensor:  # type: ignore[no-redef]
         """Stand-in so isinstance checks are False."""
+
+    Replicate = None  # type: ignore[assignment,misc]
 
 
 def process_group_active() -> bool:
@@ -57,12 +65,36 @@ def local(t: torch.Tensor) -> torch.Tensor:
 def replicas(t: torch.Tensor, world_size: int) -> int:
     """How many ranks hold an identical copy of this rank's piece of `t` (see the module notes)."""
     if isinstance(t, DTensor):
-        count = 1
+        mesh = t.device_mesh
+        count = max(world_size // mesh.size(), 1)  # ranks outside a sub-mesh hold the same pieces
         for dim, placement in enumerate(t.placements):
             if placement.is_replicate():
-                count *= t.device_mesh.size(dim)
+                count *= mesh.size(dim)
         return count
     return world_size
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of `t` as a plain tensor, with no sum left pending: a DTensor with a Partial
+    placement (a tensor-parallel partial result) is first redistributed to Replicate there (a
+    collective over its mesh: call on every rank in the same order); Shard and Replicate pieces are
+    `to_local()` views (their cross-rank reduction combines them). Anything else is `t` itself."""
+    if not isinstance(t, DTensor):
+        return t
+    if any(p.is_partial() for p in t.placements):
+        replicate = Replicate()
+        t = t.redistribute(t.device_mesh, [replicate if p.is_partial() else p for p in t.placements])
+    return t.to_local()
+
+
+def like_param(grad: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """`grad` in the layout of `param`: a DTensor gradient whose placements differ from its
+    parameter's is redistributed (Replicate -> Shard is a local slice; a Partial gradient, as of a
+    SequenceParallel norm weight, needs a collective over its mesh: call on every rank, in the same
+    order). Anything else is returned unchanged."""
+    if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
+        return grad.redistribute(param.device_mesh, param.placements)
+    return grad
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ Every rank must call these at the same point with the same number of entries (sa
 same MonitorConfig): a length/layout fingerprint travels with the values; on a mismatch each rank
 warns and keeps its own values for that interval (training goes on).
 
-`agree(flag)` and `reduce_now(values, reductions)` are for per-step decisions (detectors): call
-them on every rank, at the same point of the step.
+`agree(flag)` and `reduce_now(values, reductions)` are for per-step decisions (detectors), and
+`first_across_ranks` for a rare host-side finding all ranks must report alike: call them on every
+rank, at the same point of the step.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ from __future__ import annotations
 import warnings
 import zlib
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .context import process_group_active
+from .context import local, process_group_active
 
 CODES = {"mean": 0, "sum": 1, "max": 2, "min": 3, "l2": 4, "rms": 5}
 """Reductions a metric may declare."""
@@ -39,6 +41,7 @@ HEADER = 2
 """Entries prepended to each payload: length and layout fingerprint."""
 
 _warned_gone = False
+T = TypeVar("T")
 
 
 class ReductionMismatchError(RuntimeError):
@@ -178,9 +181,25 @@ def host_values(tensors: Sequence[torch.Tensor], reductions: Sequence[str]) -> l
     """
     if not tensors:
         return []
+    tensors = [local(t) for t in tensors]  # a DTensor flag: this rank's value (combined below)
     device = tensors[0].device
     stacked = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors])
     return reduce_now(stacked, reductions).tolist()  # sync point
+
+
+def first_across_ranks(item: T | None, order: float = 0.0) -> T | None:
+    """The `item` of the rank with the smallest `order` (ties: the lowest rank); None when no rank
+    has one. Identity when not distributed.
+
+    For rare host-side findings every rank must report alike (where a NaN was made): one
+    `all_gather_object` of picklable items. Call on every rank at the same point (a collective),
+    also on ranks that found nothing (`item` None)."""
+    if not process_group_active():
+        return item
+    gathered: list[tuple[float, T] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, None if item is None else (float(order), item))  # sync point
+    found = [g for g in gathered if g is not None]
+    return min(found, key=lambda g: g[0])[1] if found else None  # min keeps the first of equals
 
 
 def agree(flag: torch.Tensor) -> torch.Tensor:

@@ -29,8 +29,9 @@ KNOWN_FAMILIES = ("stabkit-gpt", "torch-encoder", "hf-gpt2", "hf-llama", "nanogp
 of these (a model on the meta device, FSDP2-sharded) is trusted."""
 """Interventions that act on every attention call: module names alone may miss some."""
 TRACE_HINT = (
-    "stabkit could not trace a forward of this model (it cannot make an input for it), and module names "
-    "alone can miss attention calls or take the wrong module; pass example=<a batch> to apply"
+    "stabkit could not trace a forward of this model (it cannot make an input for it, or its parameters "
+    "are sharded DTensors: FSDP2, tensor parallel), and module names alone can miss attention calls or "
+    "take the wrong module; pass example=<a batch> to apply, or (sharded) model_map= naming the roles"
 )
 
 

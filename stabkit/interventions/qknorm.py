@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..discovery.roles import out_features
+from ..distributed.context import is_dtensor
 from ..hooks import DIRECT
 from ..plugins import INTERVENTIONS
 from ..tables import bounds
@@ -84,6 +85,23 @@ def _eps(model: nn.Module, block_norms: list[Any], eps: float | None) -> float:
     return 1e-6
 
 
+def _refuse_if_sharded(model: nn.Module) -> None:
+    """QK-norm adds parameters (the gains): on a model whose parameters are already DTensors no
+    parallel wrapper reduces their gradients, so every rank would train its own gains (under tensor
+    parallelism each from its own heads only)."""
+    sharded = next((n for n, p in model.named_parameters() if is_dtensor(p)), None)
+    if sharded is not None:
+        raise InterventionError(
+            NAME,
+            type(model).__name__,
+            f"its parameters are already sharded DTensors ({sharded}: FSDP2 or tensor parallel), and the "
+            "gains QK-norm adds would be plain parameters whose gradients no rank reduces. Under FSDP2 "
+            "alone, apply it before sharding: stabkit.interventions.apply(model, 'qk_norm'), then "
+            "fully_shard, then attach. Under tensor parallelism, put the q/k norms in the model's code with "
+            "an entry in the TP plan (as torchtitan's Qwen3 does) instead",
+        )
+
+
 def apply_qk_norm(
     model: nn.Module, kind: str = "rmsnorm", eps: float | None = None, model_map_override: Any = None
 ) -> Handle:
@@ -99,6 +117,7 @@ def apply_qk_norm(
         raise InterventionError(
             NAME, "", f"eps must be None (the block norms' eps) or a positive number, got {eps!r}"
         )
+    _refuse_if_sharded(model)
     mmap = model_map(model, NAME, model_map_override)
     handle = Handle(model, [NAME])
     try:

@@ -24,6 +24,7 @@ from torch import nn
 from ..discovery import DiscoveryError, inspect_model
 from ..discovery.discover import last_example
 from ..discovery.examples import synthesize_example
+from ..distributed.context import is_dtensor
 from ..plugins import INTERVENTIONS, LiveNames
 from .base import Intervention, check_options, choices, describe_options, option_choices, option_defaults
 from .handle import Handle, InterventionError, active_interventions, remember
@@ -181,7 +182,10 @@ def apply_many(
     """Apply several interventions (names, ``(name, options)`` pairs, or a ``{name: options}`` dict)
     in canonical order and return one handle (the intervention's own handle when there is one).
     With an example input (given, made by discovery, or the one it last traced), one forward checks
-    that each is in effect (`stabkit.interventions.verify`)."""
+    that each is in effect (`stabkit.interventions.verify`); not on a model with DTensor parameters
+    (FSDP2, tensor parallel), where no forward is traced (it would run collectives, and the trace
+    follows plain tensors only): there only each intervention's own runtime checks remain (attn_softcap
+    warns of a module that ran without a call it could cap)."""
     items = _normalise(specs)
     names = [n for n, _ in items]
     repeated = sorted({n for n in names if names.count(n) > 1})
@@ -206,9 +210,10 @@ def apply_many(
             handle = plugin(name)().apply(model, model_map, options)
             remember(model, name, handle)
             done.append(handle)
-        ex = example if example is not None else last_example(model) or synthesize_example(model)
-        if ex is not None:
-            verify(model, dict(zip([n for n, _ in items], done, strict=True)), ex)
+        if not _sharded(model):
+            ex = example if example is not None else last_example(model) or synthesize_example(model)
+            if ex is not None:
+                verify(model, dict(zip([n for n, _ in items], done, strict=True)), ex)
     except BaseException:
         for handle in reversed(done):
             handle.remove()
@@ -259,3 +264,8 @@ def apply(
             "apply", "", "with several interventions, pass options per entry: [(name, {option: value})]"
         )
     return apply_many(model, name, model_map, example)
+
+
+def _sharded(model: nn.Module) -> bool:
+    """Some parameter of `model` is a DTensor (FSDP2, tensor parallel)."""
+    return any(is_dtensor(p) for p in model.parameters())

@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery.trace import tracing
+from ..distributed.context import local
 from ..hooks import DIRECT, Registrar
 from ..stats.finite import floating_tensors, nonfinite_flag
 
@@ -94,7 +95,7 @@ class FiniteTracer:
 
         def hook(grad: torch.Tensor) -> None:
             with torch.no_grad():
-                bad = ~torch.isfinite(grad).all()
+                bad = ~torch.isfinite(local(grad)).all()  # a DTensor gradient: this rank's piece
                 upstream = self._grad_out_bad.get(path)
                 self._add((path, "backward", f"grad of {name}"), bad if upstream is None else bad & ~upstream)
 

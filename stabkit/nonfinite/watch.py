@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
+from ..distributed import first_across_ranks, process_group_active
 from ..events import Event
 from ..stats.finite import nonfinite_flag
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
@@ -129,11 +130,8 @@ class NonfiniteWatch(DeviceChecks):
     def locate(self, step: int) -> Event:
         """On a step decided non-finite before the update: the event, with the producer when found."""
         origin = self._origins.get(step)
-        finding: FaultSite | None = None
-        if origin is not None and bool(origin[0]):  # sync point (on a hit only)
-            path, pass_, tensor = origin[2][int(origin[1])]  # sync point (on a hit only)
-            finding = FaultSite(pass_, path, tensor)
-        elif self.options.localize and self.can_replay and self.guard.forwards:
+        finding = self._origin_site(origin)
+        if finding is None and self.options.localize and self.can_replay and self.guard.forwards:
             finding = self._replay()  # starts with a cheap check for weights an earlier update broke
         repeat = self.open
         self.open = self.now = True
@@ -184,11 +182,23 @@ class NonfiniteWatch(DeviceChecks):
             return None
         if UPDATE_METRIC in flagged:
             self.open = self.now = True
-            return finding_event(step, locate_update_fault(self.model, self.optimizer), UPDATE_METRIC, 1.0)
+            return finding_event(step, self._update_fault(), UPDATE_METRIC, 1.0)
         if flagged:
             self.open = True
             return finding_event(step, None, flagged[0], math.nan)
         return None
+
+    def _update_fault(self) -> FaultSite:
+        """The parameter whose update or optimizer state is non-finite; under torch.distributed the
+        first one in model order that any rank holds a non-finite piece of (the same on every rank)."""
+        found = locate_update_fault(self.model, self.optimizer)
+        if not process_group_active():
+            return found
+        names = [n for n, _ in self.model.named_parameters()]
+        first = (found.details.get("params") or [""])[0]
+        order = names.index(first) if first in names else len(names)
+        agreed = first_across_ranks(found if found.module else None, order)
+        return agreed if agreed is not None else found
 
     def noted(self, event: Event) -> None:
         """A non-finite event decided elsewhere this step (the GradScaler check): a run of them is open."""
@@ -215,11 +225,22 @@ class NonfiniteWatch(DeviceChecks):
         if self.open:
             return None
         self.open = True
-        finding = None
+        return finding_event(step, self._origin_site(origin), bad[0], row[bad[0]])
+
+    def _origin_site(self, origin: Origin | None) -> FaultSite | None:
+        """The tracer's first producing site of a step decided non-finite (None: no hit). Under
+        torch.distributed the ranks agree on one (`first_across_ranks`: the earliest site any rank
+        saw), so every rank names the same module: under tensor parallelism a NaN made in one rank's
+        shard of a projection reaches the other ranks only through the next collective."""
+        finding: FaultSite | None = None
+        index = 0
         if origin is not None and bool(origin[0]):  # sync point (on a hit only)
-            path, pass_, tensor = origin[2][int(origin[1])]  # sync point (on a hit only)
+            index = int(origin[1])  # sync point (on a hit only)
+            path, pass_, tensor = origin[2][index]
             finding = FaultSite(pass_, path, tensor)
-        return finding_event(step, finding, bad[0], row[bad[0]])
+        if origin is not None and process_group_active():  # every rank traces: every rank gets here
+            finding = first_across_ranks(finding, index)
+        return finding
 
     def forget_before(self, step: int) -> None:
         """Drop tracer origins of steps up to `step` (after their rows were judged)."""

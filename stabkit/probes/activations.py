@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..distributed import is_dtensor, plain
 from ..stats import tensor_stats
 from ..stats.opaque import TENSOR_COMBINES
 from ..stats.recorder import Reduction
@@ -83,6 +84,8 @@ class ActivationProbe(Probe):
         ctx = self.ctx
         assert ctx is not None
         x = first_tensor(output)
+        if is_dtensor(x):  # tensor parallel (use_local_output=False): this rank's piece, no sum pending
+            x = plain(x)
         if torch.compiler.is_compiling():
             ctx.recorder.add_packed(names, TENSOR_COMBINES, TENSOR_REDUCTIONS, *self._traced(x))
             return

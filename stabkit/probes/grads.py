@@ -17,10 +17,12 @@ When it runs:
 A *unit* is a block (its path) or, outside the blocks, the module that owns the parameter.
 
 Under torch.distributed (`stabkit.distributed`) norms are taken on each rank's own piece of a
-tensor (`to_local()` of an FSDP2 DTensor), scaled so that the 'l2' reduction across ranks gives
-the norm of the whole tensor (a DDP-replicated tensor counts once). The end-of-backward callback
-queues itself once more, so it runs after DDP's own callback has written the averaged gradients.
-Under FSDP2 update ratios are logged as numerator and denominator ('.num', '.den'), divided
+tensor (`to_local()` of an FSDP2 or tensor-parallel DTensor), scaled so that the 'l2' reduction
+across ranks gives the norm of the whole tensor (a replicated piece counts once). A DTensor gradient
+is first laid out as its parameter (`like_param`: a SequenceParallel norm weight's Partial gradient
+is summed over the TP ranks, one small collective per such parameter at the end of backward). The
+end-of-backward callback queues itself once more, so it runs after DDP's own callback has written
+the averaged gradients. Under FSDP2 update ratios are logged as numerator and denominator ('.num', '.den'), divided
 after the reduction.
 """
 
@@ -31,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, DistContext, local
+from ..distributed import SINGLE, DistContext, like_param, local
 from ..stats import foreach_norm_f32, l2_of_norms
 from .base import Probe, ProbeContext, guarded
 from .updates import closed_form_supported, update_norms
@@ -137,7 +139,10 @@ class GradProbe(Probe):
         if ctx is not None and self._watched(ctx) != self._signature:  # unfrozen since: follow them
             self._setup(ctx)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = [local(self.params[i].grad.detach()) for i in present]  # type: ignore[union-attr]
+        grads = [self.params[i].grad.detach() for i in present]  # type: ignore[union-attr]
+        if self.dist.sharded:  # a DTensor gradient in its parameter's layout (Partial: a collective)
+            grads = [like_param(g, self.params[i]) for i, g in zip(present, grads, strict=True)]
+        grads = [local(g) for g in grads]
         norms = foreach_norm_f32(grads) if grads else []
         for i, n in zip(present, self._scaled(present, norms), strict=True):
             self._grad_norms[i] = n

@@ -6,6 +6,9 @@ only (`ProbeContext.training_forward`). log Z = logsumexp over the vocabulary; i
 output-logit divergence of Wortsman et al. 2023, who plot it as the mean output logit (over the
 vocabulary and positions) drifting far negative: `logits/mean`.
 
+Under tensor parallelism with loss parallel the logits are a DTensor sharded over the vocabulary:
+`dtensor_logit_stats` completes each row's log Z with one small all-gather.
+
 Under ``torch.compile`` the hook is traced into the sampled graph and measures through the opaque
 op ``torch.ops.stabkit.logit_stats`` (`stabkit.stats.opaque`: the eager code, one graph output).
 """
@@ -15,11 +18,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from ..distributed import is_dtensor
 from ..stats import logit_stats
 from ..stats.opaque import LOGIT_COMBINES
 from ..stats.recorder import Reduction
+from ..stats.reductions import LOGZ_CHUNKS
 from .base import Probe, ProbeContext, first_tensor, guarded
 
 NAMES = ("logits/max_abs", "logits/logz_mean", "logits/logz_max", "logits/mean")
@@ -62,9 +68,47 @@ class LogitProbe(Probe):
             gated = every if phase.gated else None
             ctx.recorder.add_packed(NAMES, LOGIT_COMBINES, REDUCTIONS, packed, every=gated)
             return
-        max_abs, logz_mean, logz_max, mean = logit_stats(first_tensor(output))
+        logits = first_tensor(output)
+        if is_dtensor(logits):  # tensor parallel: loss_parallel keeps the logits sharded by vocabulary
+            max_abs, logz_mean, logz_max, mean = dtensor_logit_stats(logits)
+        else:
+            max_abs, logz_mean, logz_max, mean = logit_stats(logits)
         rec = ctx.recorder
         rec.add("logits/max_abs", max_abs, combine="max", reduction="max")
         rec.add("logits/logz_mean", logz_mean, combine="mean", reduction="mean")
         rec.add("logits/logz_max", logz_max, combine="max", reduction="max")
         rec.add("logits/mean", mean, combine="mean", reduction="mean")
+
+
+def dtensor_logit_stats(logits: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`logit_stats` of DTensor logits, exact: sharded over the vocabulary on one mesh dimension (and
+    replicated on the others), each rank reduces its vocabulary shard per row (log Z, max |logit|,
+    sum) and one all-gather of these (N, 3) values over that dimension completes every row; any other
+    layout is gathered whole (`full_tensor`). Runs in the logit probe's forward hook on sampled steps,
+    on every rank (a collective)."""
+    last = logits.ndim - 1
+    placements = list(logits.placements)
+    vocab = [i for i, p in enumerate(placements) if p.is_shard() and p.dim in (last, -1)]
+    if len(vocab) != 1 or not all(p.is_replicate() for i, p in enumerate(placements) if i != vocab[0]):
+        return logit_stats(logits.full_tensor())
+    flat = logits.to_local().detach().reshape(-1, logits.to_local().shape[-1])  # (N, V / shards)
+    parts = torch.cat(
+        [
+            torch.stack([torch.logsumexp(c, -1), c.abs().amax(-1), c.sum(-1)], -1)  # (rows, 3)
+            for c in (chunk.float() for chunk in flat.split(max(1, -(-flat.shape[0] // LOGZ_CHUNKS))))
+        ]
+    )
+    group = logits.device_mesh.get_group(vocab[0])
+    shards = dist.get_world_size(group)
+    flat_out = parts.new_empty(shards * parts.numel())
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(flat_out, parts.reshape(-1), group=group)
+    gathered = flat_out.view(shards, *parts.shape)  # (shards, N, 3)
+    logz = torch.logsumexp(gathered[..., 0], 0)  # (N,)
+    rows = max(1, logz.numel())
+    return (
+        gathered[..., 1].amax(),
+        logz.sum() / rows,
+        logz.amax(),
+        gathered[..., 2].sum() / (rows * logits.shape[-1]),
+    )

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import local
+from ..distributed import like_param, local
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -39,7 +39,7 @@ def update_norms(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.T
             out.append(torch.zeros((), device=local(p).device))
             continue
         # FSDP2: this rank's shard of the parameter, its gradient and its state (DTensor.to_local())
-        grad = local(p.grad)
+        grad = local(like_param(p.grad, p))  # tensor parallel: the gradient in the parameter's layout
         state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         p = local(p)
         if isinstance(owner, torch.optim.SGD):

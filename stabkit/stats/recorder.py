@@ -26,6 +26,8 @@ from typing import Literal
 
 import torch
 
+from ..distributed.context import plain
+
 Combine = Literal["max", "min", "sum", "mean", "rms", "last"]
 """How values recorded several times within one step (micro-batches) combine."""
 Reduction = Literal["mean", "sum", "max", "min", "l2", "rms"]
@@ -73,8 +75,9 @@ class Recorder:
     def add(
         self, name: str, value: torch.Tensor, combine: Combine = "last", reduction: Reduction = "mean"
     ) -> None:
-        """Record a 0-d statistic for the current step (called from hooks; no host sync)."""
-        value = value.detach().reshape(()).float()
+        """Record a 0-d statistic for the current step (called from hooks; no host sync). A DTensor
+        (a loss under tensor parallelism's loss_parallel) is recorded as this rank's plain value."""
+        value = plain(value).detach().reshape(()).float()
         if torch.compiler.is_compiling():  # a pack of one (see the module docstring)
             kept = value * value if combine == "rms" else value
             self.add_packed((name,), (combine,), (reduction,), torch.stack([kept, torch.ones_like(kept)]))
