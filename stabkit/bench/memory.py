@@ -177,6 +177,7 @@ def _warm_up(cfg: Any, tmp: str) -> None:
 
 def _main(payload: str, variant: str) -> None:
     from ..monitor import attach
+    from .interventions import apply_variant
     from .runner import BenchConfig, _Trainer, make_batches, monitor_config
 
     torch.set_num_threads(1)
@@ -188,6 +189,7 @@ def _main(payload: str, variant: str) -> None:
         mcfg = monitor_config(variant)
         if mcfg is not None:
             trainer.monitor = attach(trainer.model, trainer.opt, logdir=tmp, config=mcfg)
+        handle = apply_variant(trainer.model, trainer.opt, variant)  # an intervention variant: qk_clip
         anomaly = variant == "anomaly"
         trainer.run(cfg.warmup + cfg.steps, anomaly=anomaly)
         if trainer.monitor is not None:  # profile from a sampled step: per-layer statistics count too
@@ -196,6 +198,8 @@ def _main(payload: str, variant: str) -> None:
         tensors = peak_tensor_bytes(lambda n: trainer.run(n, anomaly=anomaly), PROFILED_STEPS)
         if trainer.monitor is not None:
             trainer.monitor.detach()
+        if handle is not None:
+            handle.remove()
     print(rss, tensors)
 
 

@@ -59,6 +59,11 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
         f"noise: half the spread of the per-round {judged} ratios over {cfg['repeats']} round(s); "
         "a time verdict past the budget by less than it reads 'within noise'"
     )
+    if "qk_clip" in result.variants:
+        lines.append(
+            "qk_clip: the bare loop with QK-Clip at tau 100 and no monitor: the exact per-head max (one extra "
+            "float32 q·kᵀ per attention call per training forward) and the clip after each step"
+        )
     if cfg.get("quick"):
         cpu = cfg["device"] == "cpu"
         lines.append(

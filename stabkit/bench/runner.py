@@ -32,6 +32,7 @@ from ..config import MonitorConfig
 from ..harness.data import load_corpus
 from ..harness.models import GPT, PRESET_BATCH, GPTConfig, preset_config
 from ..monitor import Monitor, attach
+from .interventions import INTERVENTION_VARIANTS, apply_variant
 
 VARIANTS = ("bare", "default", "full", "anomaly")
 COMPILED_VARIANTS = ("bare", "default", "full")
@@ -88,9 +89,12 @@ class BenchConfig:
             raise ValueError(f"bench: --device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("bench: --device cuda asked for, but torch.cuda.is_available() is False")
-        unknown = set(self.variants) - set(VARIANTS)
+        allowed = [*VARIANTS, *INTERVENTION_VARIANTS]
+        unknown = set(self.variants) - set(allowed)
         if unknown:
-            raise ValueError(f"bench: unknown variant(s) {sorted(unknown)}; allowed: {list(VARIANTS)}")
+            raise ValueError(f"bench: unknown variant(s) {sorted(unknown)}; allowed: {allowed}")
+        if self.compile and set(self.variants) & set(INTERVENTION_VARIANTS):
+            raise ValueError(f"bench: {sorted(INTERVENTION_VARIANTS)} are measured without --compile")
         if "bare" not in self.variants:
             self.variants = ("bare", *self.variants)
         if self.compile and "anomaly" in self.variants:
@@ -338,6 +342,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             mcfg = monitor_config(name)
             if mcfg is not None:
                 tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
+        handles = [apply_variant(tr.model, tr.opt, name) for name, tr in trainers.items()]
         for name, tr in trainers.items():
             if progress is not None:
                 progress.begin(f"warm-up {name}")
@@ -379,6 +384,9 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             for tr in trainers.values():
                 if tr.monitor is not None:
                     tr.monitor.detach()
+            for handle in handles:
+                if handle is not None:
+                    handle.remove()
     model_bytes = trainers["bare"].model_bytes()
     out = BenchResult(config=vars(cfg).copy(), variants=results, model_bytes=model_bytes)
     out.config["variants"] = list(cfg.variants)

@@ -43,7 +43,13 @@ SIZES = ("tiny", "small", "gpt2", "1b")
     "(at least one sequence), e.g. --size tiny --seq-len 8192 for long-context memory.  [default: the preset's]",
 )
 @click.option("--bf16", is_flag=True, help="bf16 autocast (CUDA).")
-@click.option("--variants", default=",".join(VARIANT_NAMES), show_default=True, help="Comma-separated.")
+@click.option(
+    "--variants",
+    default=",".join(VARIANT_NAMES),
+    show_default=True,
+    help="Comma-separated; also qk_clip (the bare loop with QK-Clip at tau 100: what its exact per-head "
+    "max costs).",
+)
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
 @click.option(
     "--compile",

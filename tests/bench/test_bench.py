@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +44,27 @@ def test_bench_rejects_bad_input() -> None:
         BenchConfig(variants=("bare", "fast"))
     with pytest.raises(ValueError, match="must be >= 1"):
         BenchConfig(steps=0)
+
+
+def test_bench_measures_qk_clip_against_bare(monkeypatch: pytest.MonkeyPatch) -> None:
+    import stabkit.bench.runner as runner
+    from stabkit.bench import format_table, run_bench
+
+    handles: dict[str, Any] = {}
+    real = runner.apply_variant
+
+    def spy(model: Any, optimizer: Any, variant: str) -> Any:
+        handles[variant] = real(model, optimizer, variant)
+        return handles[variant]
+
+    monkeypatch.setattr(runner, "apply_variant", spy)
+    result = run_bench(BenchConfig(size="tiny", steps=2, repeats=1, warmup=1, variants=("qk_clip",)))
+    assert list(result.variants) == ["bare", "qk_clip"] and result.ratio("qk_clip") > 0
+    assert handles["bare"] is None and handles["qk_clip"].options.tau == 100.0
+    assert handles["qk_clip"].clips == 3  # it watched the optimizer: a clip pass after every step
+    assert "qk_clip: the bare loop with QK-Clip at tau 100" in format_table(result)
+    with pytest.raises(ValueError, match="without --compile"):
+        BenchConfig(variants=("qk_clip",), compile=True)
 
 
 def test_memory_verdict() -> None:

@@ -9,6 +9,7 @@ was trained (every variant, every step), not how long it took: the wall time of 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -58,9 +59,10 @@ def test_attention_logit_growth(tmp_path: Path, stabkit_cli: StabkitCLI) -> None
     assert clip["val_loss"] < base["val_loss"] - 0.1
     ok = clip["val_loss"] - s["variants"]["reference"]["val_loss"] < 0.2
     assert verdicts(s)["qk_clip"] == ("fixed" if ok else "not fixed")
-    # the rescues (measured, seed 0: entropy collapse at step 25, back to step 0, the fix on, the LR
-    # re-warmed over 15 steps: qk_clip 2.346 vs 2.371 from the start, qk_norm 2.285 vs 2.269: both
-    # rescued); the verdicts must follow from the numbers either way
+    # the rescues (measured, seeds 0/1/2: entropy collapse at step 25, back to step 0 (25 steps lost),
+    # the fix on, the LR re-warmed over 15 steps: qk_clip 2.346/2.331/2.392 vs 2.371/2.350/2.347 from
+    # the start (-0.024/-0.019/+0.045), qk_norm 2.285/2.284/2.320 vs 2.269/2.220/2.296
+    # (+0.016/+0.064/+0.024): rescued 3/3 each); the verdicts must follow from the numbers either way
     for name, fix in (("rescue", "qk_clip"), ("rescue_qk_norm", "qk_norm")):
         rescue = s["variants"][name]
         assert rescue["rescue_count"] >= 1 and rescue["rescue_fixes"][0] == fix
@@ -121,7 +123,10 @@ def test_low_precision_reproduces_with_eager_attention(tmp_path: Path, stabkit_c
     v = s["variants"]
     # measured (seed 0, 150 steps, LR 0.3): the fp16 q·kᵀ overflowed at step 38 in blocks.0.attn;
     # qk_clip (2.862) and fp32_softmax (2.975) trained finite; qk_norm and attn_softcap kept attention
-    # finite but overflowed in the MLP at steps 109 / 114 (what they guard is attention)
+    # finite but overflowed in the MLP at steps 109 / 114 (what they guard is attention); the rescue:
+    # entropy collapse at step 20, qk_clip on, back to step 0, 2.905 (+0.043 over qk_clip: rescued).
+    # Seeds 1 / 2: qk_clip from the start overflows in the MLP at step 121 / 91 (val NaN), so the
+    # rescue is "not judged" there (the README's rescue column: 1/3)
     base = v["baseline"]
     assert verdicts(s)["baseline"] == "reproduced" and base["events/nonfinite"] >= 1
     first = next(e for e in base["event_list"] if e["kind"] == "nonfinite")
@@ -134,16 +139,23 @@ def test_low_precision_reproduces_with_eager_attention(tmp_path: Path, stabkit_c
     assert v["fp32_softmax"]["max_attn_logit"] > 65504 / 4  # what fp16 could not have held
     rescue = v["rescue"]
     assert rescue["rescue_count"] >= 1 and rescue["rescue_fixes"][0] == "qk_clip"
-    diff = rescue["val_loss"] - v["qk_clip"]["val_loss"]
-    assert verdicts(s)["rescue"] == ("rescued" if diff <= 0.1 else "not rescued")
+    ours, theirs = float(rescue["val_loss"]), float(v["qk_clip"]["val_loss"])  # NaN is written as "nan"
+    if not math.isfinite(theirs):  # nothing finite to compare (seeds 1-2: qk_clip overflows in the MLP)
+        assert verdicts(s)["rescue"].startswith("not judged")
+    elif math.isfinite(ours):
+        assert verdicts(s)["rescue"] == ("rescued" if ours - theirs <= 0.1 else "not rescued")
+    else:
+        assert verdicts(s)["rescue"] != "rescued"
 
 
 def test_muon_logit_growth(tmp_path: Path, stabkit_cli: StabkitCLI) -> None:
     s, text = stabkit(stabkit_cli, "run", "muon-logit-growth", "--jobs", "2", "--out", str(tmp_path / "o"))
     v = s["variants"]
     base, clip, adamw = v["baseline"], v["qk_clip"], v["adamw"]
-    # measured (seed 0): Muon's max logit 501 against AdamW's 27.8 (18x); QK-Clip at 30 held every
-    # clipped head at <= 40.9, val 2.099 vs 2.227 unclipped; the rescue 2.135 vs 2.099 from the start
+    # measured (seeds 0/1/2): Muon's max logit 501/490/487 against AdamW's 27.8/37.7/31.4 (18x/13x/16x);
+    # QK-Clip at 30 held every clipped head at <= 40.9/45.3/44.9 (seed 1 just past tau*1.5 = 45: "not
+    # fixed"), val 2.099/2.105/2.104 vs 2.227/2.233/2.246 unclipped; the rescue (entropy collapse at
+    # step 55/60/55, back to step 20) 2.135/2.121/2.138 vs qk_clip from the start (+0.036/+0.016/+0.034)
     assert base["max_attn_logit"] >= 10 * adamw["max_attn_logit"] and verdicts(s)["baseline"] == "reproduced"
     ok = clip["qk_clip_max_after_clip"] <= 45.0 and clip["val_loss"] - base["val_loss"] < 0.05
     assert verdicts(s)["qk_clip"] == ("fixed" if ok else "not fixed")
