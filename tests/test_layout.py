@@ -21,7 +21,7 @@ PACKAGE = TESTS.parent / "stabkit"
 
 CROSS_CUTTING = {
     "monitor": "the Monitor as a whole and its wiring (stabkit/monitor.py, lifecycle.py, hooks.py, plugins.py)",
-    "docs": "the README's examples, run as written",
+    "docs": "the docs site builds and its examples run as written",
     "reliability": "real training scripts, crashes, signals, full disks, odd inputs",
     "standins": "pure-PyTorch stand-ins for GPU attention libraries and the float64 reference",
 }

@@ -1,4 +1,4 @@
-"""The README's "Attention kernels" example runs as written: its custom op, once registered, is
+"""The guide's "Attention kernels" example (docs/guide/kernels.md) runs as written: its custom op, once registered, is
 discovered, measured (max logit equal to a float64 reference) and normalised by qk_norm."""
 
 from __future__ import annotations
@@ -15,21 +15,19 @@ from torch import nn
 import stabkit
 from stabkit.attention import kernels
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "kernels.md"
+"""The guide page (the README's section before the docs site)."""
 
 
 def section_code() -> list[str]:
-    text = README.read_text()
-    start = text.index("## Attention kernels")
-    section = text[start : text.index("\n## ", start + 10)]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
 @pytest.fixture(scope="module")
 def registered() -> Any:
     namespace: dict[str, Any] = {}
     (block,) = section_code()
-    exec(compile(block, str(README), "exec"), namespace)  # defines and registers mylib::attention
+    exec(compile(block, str(PAGE), "exec"), namespace)  # defines and registers mylib::attention
     yield namespace
     kernels.forget_kernel("mylib.attention")
 
@@ -71,7 +69,7 @@ def test_the_readme_kernel_is_discovered_measured_and_normalised(registered: Any
     cfg = stabkit.MonitorConfig.full(attn_sample_rows=None, attn_sample_queries=None, console=False)
     with stabkit.attach(model, config=cfg) as mon:
         idx = torch.randint(0, 50, (2, 9))
-        model(idx)  # (the README's op registers no autograd formula: a forward is enough here)
+        model(idx)  # (the page's op registers no autograd formula: a forward is enough here)
         mon.step()
     assert [a.impl for a in mon.model_map.attentions] == ["kernel:mylib.attention"] * 2
     attn = model.blocks[1]["attn"]

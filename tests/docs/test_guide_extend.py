@@ -1,4 +1,4 @@
-"""The README's "Extend stabkit" section runs as written: its probe, detector and action plug in
+"""The guide's "Extend stabkit" page (docs/guide/extend.md) runs as written: its probe, detector and action plug in
 and work on a real training loop (a fault makes the detector fire; the action saves a checkpoint);
 its intervention applies, is checked, ordered, listed and removed like a built-in."""
 
@@ -20,14 +20,12 @@ from stabkit.plugins import ACTIONS, DETECTORS, INTERVENTIONS, PROBE_FAMILIES, P
 
 from ..detectors.helpers import text_batches, train_with_logit_fault
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "extend.md"
+"""The guide page (the README's section before the docs site)."""
 
 
 def section_code() -> list[str]:
-    text = README.read_text()
-    start = text.index("## Extend stabkit")
-    section = text[start : text.index("\n## ", start + 10)]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+    return re.findall(r"```python\n(.*?)```", PAGE.read_text(), flags=re.S)
 
 
 @pytest.fixture
@@ -35,7 +33,7 @@ def plugins() -> Iterator[dict[str, Any]]:
     namespace: dict[str, Any] = {}
     try:
         for block in section_code():
-            exec(compile(block, str(README), "exec"), namespace)
+            exec(compile(block, str(PAGE), "exec"), namespace)
         yield namespace
     finally:
         PROBES.unregister("emb")
