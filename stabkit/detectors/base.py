@@ -15,7 +15,7 @@ update), the others at `Monitor.step`.
 
 To add one: one file with a subclass, decorated with ``@stabkit.plugins.DETECTORS.register``, its
 options dataclass beside it (fields with defaults, ranges as `stabkit.tables.bounds` metadata), its
-advice rows in `advice` and `signature` naming the row of an event (see the README's "Extend
+advice rows in `advice` and `signature` naming the row of an event (see the guide page "Extend
 stabkit" and `stabkit/detectors/entropy.py`). A kind that must see tensors to decide declares a
 device part through `device_checks` (the extension point, `stabkit.detectors.device`).
 """

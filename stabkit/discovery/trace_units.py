@@ -35,7 +35,7 @@ MIXER = re.compile(
 )
 REGISTER = (
     "stabkit.register_kernel(<op or function>, q=..., k=..., layout=..., causal=...) "
-    "(README: 'Attention kernels')"
+    "(docs/guide/kernels.md)"
 )
 
 

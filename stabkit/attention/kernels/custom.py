@@ -2,7 +2,7 @@
 op registered from C++/Triton, or a plain Python function — by naming its q and k arguments, their
 layout and its masking arguments. Runs once, at set-up (before `stabkit.attach`).
 
-Example (the README's)::
+Example (docs/guide/kernels.md)::
 
     @torch.library.custom_op("mylib::attention", mutates_args=())
     def attention(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float) -> Tensor: ...
