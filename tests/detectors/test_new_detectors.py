@@ -85,7 +85,7 @@ def outlier_rows(n: int, onset: int | None = None) -> list:
                 {
                     "act/blocks.1/massive_ratio": (400.0 if grown else 6.0)
                     * math.exp(0.05 * rng.standard_normal()),
-                    "act/blocks.1/kurtosis": (80.0 if grown else 0.5) + 0.1 * rng.standard_normal(),
+                    "act/blocks.1/kurtosis": (300.0 if grown else 0.5) + 0.1 * rng.standard_normal(),
                     "attn/blocks.0.attn/first_key_mass": (0.9 if grown else 0.2)
                     + 0.02 * rng.standard_normal(),
                 },
