@@ -1,6 +1,8 @@
 """FlexAttention: read at its Python entry point ``torch.nn.attention.flex_attention.flex_attention``
-(made visible by `entry_points`). Not at the higher-order op it calls: in eager mode FlexAttention
-compiles that call, and a function mode seen there would be traced by Dynamo.
+(made visible by `entry_points`), and at torchtitan's ``FlexAttention._compiled_flex_attn`` (the
+``torch.compile`` of it torchtitan makes at import, which holds the original). Not at the
+higher-order op it calls: in eager mode FlexAttention compiles that call, and a function mode seen
+there would be traced by Dynamo.
 
 The call gets query (B, H, L, E), key (B, Hkv, S, E) (``enable_gqa``), value, score_mod, a
 ``BlockMask`` (read through ``BlockMask.as_tuple()``: (L, S, kv_num_blocks, kv_indices,
@@ -94,7 +96,11 @@ FLEX = add(
         "flex_attention",
         "PyTorch FlexAttention",
         read_flex,
-        functions=("torch.nn.attention.flex_attention:flex_attention",),
+        functions=(
+            "torch.nn.attention.flex_attention:flex_attention",
+            # torchtitan compiles it once at import and calls the compiled function it keeps
+            "torchtitan.models.common.attention:FlexAttention._compiled_flex_attn",
+        ),
         cap=cap_score_mod,
         qk=("query", "key"),
     )
