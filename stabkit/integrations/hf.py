@@ -72,7 +72,9 @@ class StabkitCallback(TrainerCallback):
     ) -> None:
         if model is None:
             raise ValueError("stabkit: the Trainer passed no model to on_train_begin")
-        mon = self.session.start(model, optimizer, Path(args.output_dir or ".") / "stabkit")
+        mon = self.session.start(
+            model, optimizer, Path(args.output_dir or ".") / "stabkit", hf_schedule(args, state)
+        )
         averaged = getattr(args, "average_tokens_across_devices", False) and process_group_active()
         self._world_scale = dist.get_world_size() if averaged else 1
         self._hook = mon.hooks.forward("hf-callback", mon.model, self._keep_loss, with_kwargs=True)
@@ -99,3 +101,14 @@ class StabkitCallback(TrainerCallback):
             self._hook.remove()
             self._hook = None
         self.session.stop()
+
+
+def hf_schedule(args: Any, state: Any) -> dict[str, Any]:
+    """The peak LR and warmup steps of a Trainer run (``learning_rate``; ``warmup_steps`` or
+    ``warmup_ratio`` of ``max_steps``), for `attach`; {} where they cannot be read."""
+    try:
+        lr = float(args.learning_rate)
+        warmup = int(args.get_warmup_steps(int(state.max_steps)))
+    except Exception:  # an older or unusual TrainingArguments: the audit then says "not given"
+        return {}
+    return {"lr": lr if lr > 0 else None, "warmup_steps": max(0, warmup)}

@@ -42,11 +42,20 @@ class Session:
         self._losses: list[torch.Tensor] = []
         self._sum = False
 
-    def start(self, model: nn.Module, optimizer: Any, default_logdir: str | Path) -> Monitor:
-        """Attach (detectors come with `MonitorConfig.detect`). Called once, when training begins."""
+    def start(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        default_logdir: str | Path,
+        schedule: dict[str, Any] | None = None,
+    ) -> Monitor:
+        """Attach (detectors come with `MonitorConfig.detect`). Called once, when training begins.
+        `schedule`: the run's ``lr`` / ``warmup_steps`` as the framework knows them (for the audit and
+        the detectors; what the user passed in the attach options wins)."""
         self.stop()
         logdir = self.logdir if self.logdir is not None else default_logdir
-        self.monitor = attach(model, inner_optimizer(optimizer), logdir=logdir, **self.attach_options)
+        options = {**(schedule or {}), **self.attach_options}
+        self.monitor = attach(model, inner_optimizer(optimizer), logdir=logdir, **options)
         self.live = True
         return self.monitor
 
