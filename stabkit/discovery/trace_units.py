@@ -34,8 +34,7 @@ MIXER = re.compile(
     r"mamba|ssm|mixer|conv|linear_?attn|linear_?attention|delta|recurren|rwkv|hyena|retention|lru", re.I
 )
 REGISTER = (
-    "stabkit.register_kernel(<op or function>, q=..., k=..., layout=..., causal=...) "
-    "(docs/guide/kernels.md)"
+    "stabkit.register_kernel(<op or function>, q=..., k=..., layout=..., causal=...) (docs/guide/kernels.md)"
 )
 
 
