@@ -135,8 +135,6 @@ def test_lightning_run_writes_tags_and_per_step_loss(tmp_path: Path) -> None:
     )
     trainer.fit(LitGPT(), data)
     assert callback.monitor is not None and not callback.session.live  # detached at the end
-    # the Trainer's schedule reaches the audit and the detectors (no warmup here: warmup_steps 0)
-    assert callback.monitor.schedule == {"lr": 1e-3, "warmup_steps": 0}
     series = scalars(tmp_path / "stabkit")
     check_tags(series, "model.blocks.1", "model.blocks.1.attn")
     want = [(micro_losses[2 * s] + micro_losses[2 * s + 1]) / 2 for s in range(STEPS)]
