@@ -16,8 +16,6 @@ Each rank writes OUT/rank<r>.json (mode, history, events, losses); rank 0's logd
 from __future__ import annotations
 
 import contextlib
-import faulthandler
-import json
 import math
 import os
 import sys
@@ -29,6 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from entry import worker_main
 from tiny_llama import SEQ, VOCAB, apply_fsdp, apply_tp, apply_tp_hf, make_model
 
 import stabkit
@@ -164,23 +163,7 @@ def run(scenario: str, out: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    if scenario.startswith("single"):
-        result = run(scenario, out)
-        with open(os.path.join(out, "rank0.json"), "w") as fh:
-            json.dump({"rank": 0, "world": 1, **result}, fh, default=str)
-        return
-    faulthandler.dump_traceback_later(float(os.environ.get("STABKIT_TEST_HANG_S", "150")), exit=True)
-    from stabkit.distributed import init_from_env
-
-    ctx = init_from_env("cpu")
-    result = run(scenario, out)
-    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
-        json.dump({"rank": ctx.rank, "world": ctx.world_size, **result}, fh, default=str)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    worker_main(run, single=lambda scenario: scenario.startswith("single"))
 
 
 if __name__ == "__main__":

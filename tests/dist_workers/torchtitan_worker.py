@@ -22,8 +22,6 @@ Each rank writes OUT/rank<r>.json (mode, history, losses); rank 0's logdir is OU
 
 from __future__ import annotations
 
-import faulthandler
-import json
 import os
 import sys
 from typing import Any
@@ -31,7 +29,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+from entry import worker_main
 
 import stabkit
 
@@ -139,23 +139,7 @@ def run(scenario: str, out: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    scenario, out = sys.argv[1], sys.argv[2]
-    os.makedirs(out, exist_ok=True)
-    torch.set_num_threads(1)
-    if scenario == "single":
-        result = run(scenario, out)
-        with open(os.path.join(out, "rank0.json"), "w") as fh:
-            json.dump({"rank": 0, "world": 1, **result}, fh, default=str)
-        return
-    faulthandler.dump_traceback_later(float(os.environ.get("STABKIT_TEST_HANG_S", "150")), exit=True)
-    from stabkit.distributed import init_from_env
-
-    ctx = init_from_env("cpu")
-    result = run(scenario, out)
-    with open(os.path.join(out, f"rank{ctx.rank}.json"), "w") as fh:
-        json.dump({"rank": ctx.rank, "world": ctx.world_size, **result}, fh, default=str)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    worker_main(run, single=lambda scenario: scenario == "single")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,7 @@ process on the whole global batch (`tensor_parallel.run("single...")`).
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -20,6 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from stabkit.sinks import read_jsonl
+
+from . import launch
 
 HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "tensor_parallel.py"
@@ -44,16 +43,8 @@ maximum combined by 'max'; the kurtosis of per-channel RMS values taken over a p
 
 
 def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 240.0) -> list[dict[str, Any]]:
-    """Run the worker on `nproc` ranks; each rank's JSON result."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "STABKIT_TEST_HANG_S": str(timeout - 30)}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), scenario, str(out)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+    """Run the worker on `nproc` ranks; each rank's JSON result (`launch.torchrun`)."""
+    return launch.torchrun(WORKER, scenario, out, nproc, timeout)
 
 
 def single(scenario: str, out: Path) -> dict[str, Any]:

@@ -7,10 +7,7 @@ logs on the whole global batch.
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,6 +16,8 @@ import pytest
 import torch.distributed as dist
 
 from stabkit.sinks import read_jsonl
+
+from . import launch
 
 HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "train.py"
@@ -38,17 +37,9 @@ EXACT_STATS = ("/absmax", "/nonfinite", "/max_logit", "/entropy")
 exact) and `attn/*/min_head_entropy` (a minimum over heads of per-rank means does not decompose)."""
 
 
-def torchrun(scenario: str, out: Path, timeout: float = 150.0) -> list[dict[str, Any]]:
-    """Run the worker on 2 ranks; each rank's JSON result."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "STABKIT_TEST_HANG_S": str(timeout - 30)}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), scenario, str(out)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 150.0) -> list[dict[str, Any]]:
+    """Run the worker on `nproc` ranks; each rank's JSON result (`launch.torchrun`)."""
+    return launch.torchrun(WORKER, scenario, out, nproc, timeout)
 
 
 def rel(a: float, b: float) -> float:

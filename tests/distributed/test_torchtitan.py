@@ -9,10 +9,7 @@ before they were frozen). Its trainer is GPU-only (docs/guide/distributed.md, "t
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -23,6 +20,8 @@ import torch.distributed as dist
 pytest.importorskip("torchtitan")
 
 from stabkit.sinks import read_jsonl
+
+from . import launch
 
 HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "torchtitan_worker.py"
@@ -46,17 +45,9 @@ STATS = (
 )
 
 
-def torchrun(scenario: str, out: Path, timeout: float = 240.0) -> list[dict[str, Any]]:
-    """Run the worker on 2 ranks; each rank's JSON result."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "STABKIT_TEST_HANG_S": str(timeout - 30)}
-    env["PYTHONPATH"] = os.pathsep.join([str(HERE.parent), env.get("PYTHONPATH", "")])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    proc = subprocess.run(
-        [*cmd, str(WORKER), scenario, str(out)], env=env, capture_output=True, text=True, timeout=timeout
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 240.0) -> list[dict[str, Any]]:
+    """Run the worker on `nproc` ranks; each rank's JSON result (`launch.torchrun`)."""
+    return launch.torchrun(WORKER, scenario, out, nproc, timeout)
 
 
 def off(got: float, want: float, name: str) -> float:
