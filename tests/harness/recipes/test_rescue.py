@@ -16,8 +16,10 @@ from stabkit.harness.recipes.summary import Summary
 
 
 def test_rescue_kinds_are_those_whose_advice_names_a_midrun_fix() -> None:
-    # loss spikes advise rollback / a lower LR, post-norm growth a norm placement: nothing mid-run
-    assert rescue_kinds() == ("nonfinite", "drift", "attn_entropy")
+    # loss spikes advise rollback / a lower LR, post-norm growth a norm placement, update-norm spikes
+    # a lower LR and clipping, depth imbalance a warmup: nothing mid-run; massive activations and sink
+    # growth (outliers) advise attn_softcap / qk_norm, which can go on mid-run
+    assert rescue_kinds() == ("nonfinite", "drift", "attn_entropy", "outliers")
 
 
 def test_a_rescue_variant_trains_the_baselines_settings_with_the_action_rescue() -> None:
