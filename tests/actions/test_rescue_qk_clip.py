@@ -13,7 +13,7 @@ from stabkit.actions.rescue import RescueOptions, midrun_fixes
 from stabkit.detectors import DetectConfig, DetectorContext, Judge
 from stabkit.interventions import active_interventions
 
-from ..detectors.helpers import text_batches, train_with_logit_fault
+from ..detectors.helpers import train_with_logit_fault
 
 
 def test_qk_clip_is_the_first_mid_run_fix() -> None:
@@ -138,16 +138,7 @@ def test_a_rollback_tells_the_detectors() -> None:
     ctx = mon.detectors.actions.ctx
     original = ctx.rewound
     ctx.rewound = lambda step: (seen.append(step), original(step))[1]
-    for step, (x, y) in enumerate(text_batches(130, 8, 32, seed=0)):
-        if step == 90:
-            with torch.no_grad():
-                model.blocks[1].attn.q_proj.weight.mul_(10)
-                model.blocks[1].attn.k_proj.weight.mul_(10)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
+    train_with_logit_fault(model, opt, mon, steps=130, fault_at=90)
     mon.detach()
     rollbacks = [e.details["rollback"]["restored_step"] for e in mon.events if "rollback" in e.details]
     assert seen and seen == rollbacks  # each restore is told to the detectors
