@@ -25,6 +25,7 @@ from functools import lru_cache
 import torch
 
 from ...tables import bounds
+from .windows import random_windows
 
 CHAINS = 1024
 """Chains generated side by side (each a contiguous stretch of the corpus)."""
@@ -139,11 +140,7 @@ class SyntheticCorpus:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows: inputs (B, T) and next-token targets (B, T), int64 on the CPU."""
         data = self.train if split == "train" else self.val
-        if len(data) <= context + 1:
-            raise ValueError(f"{split} split of {self.name!r} is shorter than context {context} + 1")
-        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
-        windows = torch.stack([data[s : s + context + 1] for s in starts.tolist()])  # (B, T+1)
-        return windows[:, :-1], windows[:, 1:]
+        return random_windows(data, f"{split} split of {self.name!r}", batch_size, context, generator)
 
 
 @lru_cache(maxsize=2)

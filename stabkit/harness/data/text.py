@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from .synthetic import SyntheticSpec, synthetic_corpus
+from .windows import random_windows
 
 VAL_FRACTION = 0.1
 MIN_TEXT_BYTES = 1000
@@ -41,11 +42,7 @@ class ByteCorpus:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Random windows: inputs (B, T) and next-byte targets (B, T), int64 on the CPU."""
         data = self.train if split == "train" else self.val
-        if len(data) <= context + 1:
-            raise ValueError(f"{split} split of {self.name!r} is shorter than context {context} + 1")
-        starts = torch.randint(0, len(data) - context - 1, (batch_size,), generator=generator)
-        windows = torch.stack([data[s : s + context + 1] for s in starts.tolist()])  # (B, T+1)
-        return windows[:, :-1], windows[:, 1:]
+        return random_windows(data, f"{split} split of {self.name!r}", batch_size, context, generator)
 
 
 def load_corpus(path: str | Path | SyntheticSpec | None = None) -> Any:
