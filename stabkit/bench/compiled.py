@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
+
+from .child import run_variant_process
 
 if TYPE_CHECKING:
     from .runner import BenchResult, Progress
@@ -47,23 +47,10 @@ def compile_plan(cfg: Any) -> list[str]:
 
 def measure_in_subprocess(cfg: Any, variant: str) -> dict[str, Any]:
     """{'compile_s', 'graphs', 'breaks'} of a fresh process that compiles and trains `variant`."""
-    payload = json.dumps({k: v for k, v in asdict(cfg).items() if k != "variants"})
     with tempfile.TemporaryDirectory(prefix="stabkit-bench-inductor-") as cache:
-        env = {
-            **os.environ,
-            "TORCHINDUCTOR_CACHE_DIR": cache,
-            "TORCHINDUCTOR_COMPILE_THREADS": "1",
-            "OMP_NUM_THREADS": "1",
-        }
-        proc = subprocess.run(
-            [sys.executable, "-m", "stabkit.bench.compiled", payload, variant],
-            capture_output=True,
-            text=True,
-            check=True,
-            timeout=3600,
-            env=env,
-        )
-    result: dict[str, Any] = json.loads(proc.stdout.strip().splitlines()[-1])
+        env = {"TORCHINDUCTOR_CACHE_DIR": cache, "TORCHINDUCTOR_COMPILE_THREADS": "1"}
+        line = run_variant_process("stabkit.bench.compiled", cfg, variant, env, timeout=3600)
+    result: dict[str, Any] = json.loads(line)
     return result
 
 

@@ -19,15 +19,15 @@ from __future__ import annotations
 import json
 import os
 import resource
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Mapping
-from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 import torch
+
+from .child import run_variant_process
 
 if TYPE_CHECKING:
     from .runner import Progress
@@ -70,17 +70,8 @@ def peak_tensor_bytes(run_steps: Any, steps: int) -> int:
 
 def measure_in_subprocess(cfg: Any, variant: str) -> tuple[int, int]:
     """(peak RSS, peak tensor bytes) of a fresh process that trains `variant`."""
-    payload = json.dumps({k: v for k, v in asdict(cfg).items() if k != "variants"})
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "stabkit.bench.memory", payload, variant],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=1800,
-        env=env,
-    )
-    rss, tensors = proc.stdout.strip().splitlines()[-1].split()
+    env = {"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD}
+    rss, tensors = run_variant_process("stabkit.bench.memory", cfg, variant, env, timeout=1800).split()
     return int(rss), int(tensors)
 
 
