@@ -1,7 +1,7 @@
-"""Run a worker script of tests/dist_workers/ under torchrun on N local CPU ranks (gloo).
-
-Used by the multi-process tests of this folder: each rank writes ``rank<r>.json`` into `out`, and
-`torchrun` returns those results in rank order (the worker's side: `dist_workers/entry.py`).
+"""What the multi-process tests of this folder share: `torchrun` runs a worker script of
+tests/dist_workers/ on N local CPU ranks (gloo) — each rank writes ``rank<r>.json`` into `out`, returned in
+rank order (the worker's side: `dist_workers/entry.py`) — and `SPLIT_ROWS`, the statistics that are not
+exact once the batch or sequence is split over ranks.
 """
 
 from __future__ import annotations
@@ -16,6 +16,9 @@ from typing import Any
 TESTS = Path(__file__).parents[1]
 """The tests/ folder (its parent, the repository root, goes on the workers' PYTHONPATH)."""
 WORKERS = TESTS / "dist_workers"
+SPLIT_ROWS = ("/min_head_entropy", "/first_key_mass", "/sink_heads", "/massive_dim", "/kurtosis")
+"""Statistics that are not exact once the batch or the sequence is split over ranks (data parallel,
+sequence parallel): minima and maxima over heads or channels of per-rank values, per-rank medians."""
 
 
 def torchrun(

@@ -36,10 +36,7 @@ REL = 1e-5
 <= 3e-6 on the HF Llama, whose TP sums its row-parallel outputs in another order)."""
 LOOSE = {"clip/z": 1e-4}
 """ZClip's z-score (g − μ) / σ with σ from one warm-up step (z ~ 4500) amplifies float rounding."""
-SPLIT_ROWS = ("/min_head_entropy", "/first_key_mass", "/sink_heads", "/massive_dim", "/kurtosis")
-"""Not exact once the batch or the sequence is split over ranks (data parallel, sequence parallel), as
-under DDP: a minimum / maximum / count over heads of per-rank means; the channel of a per-rank
-maximum combined by 'max'; the kurtosis of per-channel RMS values taken over a part of the tokens."""
+SPLIT_ROWS = launch.SPLIT_ROWS
 
 
 def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 240.0) -> list[dict[str, Any]]:

@@ -36,8 +36,7 @@ pytestmark = [
 
 REL = 1e-5
 """Relative tolerance against one process (measured: <= 4.8e-6, logits/mean of ~-7e-3; the rest <= 4e-7)."""
-SPLIT_ROWS = ("/min_head_entropy", "/first_key_mass", "/sink_heads", "/massive_dim", "/kurtosis")
-"""Not exact once the sequence is split over ranks (sequence parallel), as in test_tensor_parallel.py."""
+SPLIT_ROWS = launch.SPLIT_ROWS
 STATS = (
     "act/layers.1.feed_forward/rms",
     "attn/layers.0.attention/max_logit",
