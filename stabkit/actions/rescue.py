@@ -63,7 +63,7 @@ from ..plugins import ACTIONS, INTERVENTIONS, LiveNames
 from ..tables import bounds
 from .base import Action, ActionContext
 from .lr_factor import LRFactor
-from .snapshots import SnapshotStore
+from .snapshots import Snapshot, SnapshotStore
 
 
 def midrun_fixes() -> tuple[str, ...]:
@@ -184,9 +184,16 @@ class Rescue(Action):
                 f"not attempted: {why} (advice: {event.details.get('interventions', [])})"
             )
             return False
-        record = self._rescue(event, fixes[0], signature)
-        event.details["rescue"] = record
-        return before_update
+        snap = self._roll_back(event)
+        refused: list[str] = []
+        for fix in fixes:  # in order of preference; a fix that refuses this model hands on to the next
+            record = self._rescue(event, fix, signature, snap, refused)
+            if record is not None:
+                event.details["rescue"] = record
+                return before_update
+        back = f"rolled back to before step {snap.step}, but " if snap is not None else "not attempted: "
+        event.details["rescue"] = f"{back}every fix it names refused this model ({'; '.join(refused)})"
+        return before_update and snap is not None
 
     def _fail(self, event: Event, previous: dict[str, Any]) -> None:
         gap = event.step - previous["step"]
@@ -211,21 +218,33 @@ class Rescue(Action):
         raise InstabilityError(event)
 
     # ------------------------------------------------------------------ the rescue
-    def _rescue(self, event: Event, fix: str, signature: str) -> dict[str, Any]:
-        ctx = self.ctx
+    def _roll_back(self, event: Event) -> Snapshot | None:
+        """Restore the newest snapshot from before the trouble began (None: there is none)."""
         began = int(event.details.get("since", event.step))  # where the detector saw the trouble begin
         snap = self.snapshots.newest_before(min(began, event.step))
         if snap is not None:
             self.snapshots.restore(snap)
-            ctx.rewound(snap.step)  # the detectors' windows forget the trajectory rolled back
+            self.ctx.rewound(snap.step)  # the detectors' windows forget the trajectory rolled back
+        return snap
+
+    def _rescue(
+        self, event: Event, fix: str, signature: str, snap: Snapshot | None, refused: list[str]
+    ) -> dict[str, Any] | None:
+        """Switch `fix` on the rolled-back model; None (and why, appended to `refused`) when the fix
+        refuses this model (`InterventionError`: nothing applied)."""
+        ctx = self.ctx
         inputs = list(ctx.forwards())
         before = _outputs(ctx.model, inputs)
         plugin = INTERVENTIONS.load(fix)()
         options = plugin.midrun_options(ctx.metrics(), self.options.cap_margin)
         options.update(self.options.fix_options.get(fix, {}))
-        from ..interventions import apply
+        from ..interventions import InterventionError, apply
 
-        handle = apply(ctx.model, fix, **options)
+        try:
+            handle = apply(ctx.model, fix, **options)
+        except InterventionError as exc:
+            refused.append(f"{fix}: {exc}")
+            return None
         self.handles.append(handle)
         if ctx.optimizer is not None:  # a fix acting after optimizer steps (qk_clip) watches the optimizer
             plugin.attach_optimizer(handle, ctx.optimizer, ctx.record)
@@ -253,6 +272,7 @@ class Rescue(Action):
             "lr": lr,
             "rewarm_steps": self.options.rewarm_steps,
             "new_parameters": sum(p.numel() for p in new),
+            "refused": list(refused),
         }
         self.done.append(record)
         restored = (

@@ -298,3 +298,27 @@ def test_a_rescue_with_a_lambda_schedule_on_a_monitored_loop() -> None:
     at = rescues[0].step  # decided at Monitor.step, after that step's update
     assert used[: at + 1] == pytest.approx(scheduled[: at + 1], rel=1e-12)
     assert used[at + 1 :] == pytest.approx([0.5 * s for s in scheduled[at + 1 :]], rel=1e-12)
+
+
+def test_a_fix_that_refuses_the_model_hands_on_to_the_next_and_training_goes_on() -> None:
+    torch.manual_seed(0)
+    model = reference_gpt(vocab_size=256, context=32, qk_norm=True)  # qk_clip refuses normalised q/k
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    x = next(iter(text_batches(1, 8, 32, seed=0)))[0]
+    action, reported = rescue_with("qk_clip", model, opt, x, fixes=["qk_clip", "z_loss"])
+    e = event(10, "qk_clip")
+    e.details["interventions"] = ["qk_clip", "z_loss"]
+    action.run(e, before_update=False)
+    record = e.details["rescue"]
+    assert record["fix"] == "z_loss" and list(active_interventions(model)) == ["z_loss"]
+    assert len(record["refused"]) == 1 and record["refused"][0].startswith("qk_clip: ")
+    assert "normalised" in record["refused"][0]
+    assert [r.kind for r in reported] == ["rescue"] and reported[0].where == "z_loss"
+
+    alone, reported = rescue_with("qk_clip", model, opt, x)  # the only fix refuses: said, nothing raised
+    lone = event(20, "qk_clip")
+    assert alone.run(lone, before_update=True) is False  # no snapshot, nothing rolled back: the step goes on
+    assert lone.details["rescue"].startswith(
+        "not attempted: every fix it names refused this model (qk_clip: "
+    )
+    assert reported == [] and list(active_interventions(model)) == ["z_loss"]
