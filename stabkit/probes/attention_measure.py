@@ -32,11 +32,12 @@ import torch
 
 from ..attention.call import LogitsCall, QKCall
 from ..stats import norm_f32
+from . import attention_fast
 from .attention_blocks import QKBlocks, cost_logits, cost_qk, cost_scores, dims_of, plan, spans
 from .attention_masks import IndexMask
 from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input
 
-CHUNK_ELEMENTS = (1 << 20) // 4
+CHUNK_ELEMENTS = (4 << 20) // 4
 """Default budget of `measure`, in float32 elements (the default `MonitorConfig.attn_chunk_bytes`)."""
 
 
@@ -52,6 +53,13 @@ def measure(
     budget = 4 * CHUNK_ELEMENTS if budget is None else budget
     if isinstance(call, LogitsCall):
         return _measure_logits(call.x, sampling, cap, budget, call.sink_columns)
+    if attention_fast.applies(call, sampling):  # the common call, in one block: the same numbers, fewer ops
+        batch, n_q = call.q.shape[0], call.q.shape[2]
+        per_row = candidates_per_row(sampling, batch, n_q)
+        rows = len(range(batch)[sampling.row_slice(batch)])
+        queries = len(range(n_q)[sampling.query_slice(n_q)])
+        if attention_fast.fits(call, rows, queries, per_row, budget):
+            return attention_fast.measure_one_block(call, sampling, cap, per_row)
     return _measure_qk(call, sampling, call.softcap or cap, budget)
 
 
@@ -170,7 +178,7 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
             del limit, key_norm
             idx = score.topk(per_row, dim=-1).indices  # (b, h, m)
             del score
-            chosen = q_part.gather(2, idx.unsqueeze(-1).expand(-1, -1, -1, dim))  # (b, h, m, E)
+            chosen = _pick_queries(q_part, idx)  # (b, h, m, E)
             allowed = None
             if call.allowed is not None:
                 allowed = call.allowed[rs if call.allowed.shape[0] > 1 else slice(None)]
@@ -191,6 +199,16 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
             top = _sweep(blocks, None, budget, entropy=False).max_logit
             out[hs] = torch.maximum(out[hs], top)
     return out
+
+
+def _pick_queries(q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(b, h, m, E) the queries `idx` (b, h, m) of each (row, head) of (b, h, L, E) `q` (any strides,
+    nothing copied but the picked rows): advanced indexing, ~1.5× faster on a CPU than ``gather``
+    with an index expanded over E."""
+    b, h = q.shape[0], q.shape[1]
+    rows = torch.arange(b, device=q.device).view(b, 1, 1)
+    heads = torch.arange(h, device=q.device).view(1, h, 1)
+    return q[rows, heads, idx]
 
 
 def _reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:

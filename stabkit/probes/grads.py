@@ -36,6 +36,7 @@ from torch import nn
 from ..distributed import SINGLE, DistContext, like_param, local
 from ..stats import foreach_norm_f32, l2_of_norms
 from .base import Probe, ProbeContext, guarded
+from .unit_norms import UnitNorms
 from .updates import closed_form_supported, update_norms
 
 
@@ -113,6 +114,9 @@ class GradProbe(Probe):
         self._queued = False
         self.dist: DistContext = ctx.extras.get("dist") or SINGLE
         self.scales = self.dist.norm_scales(self.params)
+        self.unit_norms = UnitNorms.of(
+            self.unit_index, len(self.unit_names), [local(p.detach()).device for p in self.params]
+        )
         if self.want_grad:
             for p in self.params:
                 self._param_handles.append(
@@ -171,10 +175,8 @@ class GradProbe(Probe):
             norms = foreach_norm_f32(tensors) if tensors else []
             norms = self._scaled(with_grad, norms)
             if self.want_param:
-                for u, unit in enumerate(self.unit_names):
-                    sub = [n for i, n in zip(with_grad, norms) if self.unit_index[i] == u]
-                    if sub:
-                        ctx.recorder.add(f"param/{unit}/norm", l2_of_norms(sub), reduction="l2")
+                for u, value in self._per_unit(with_grad, norms):
+                    ctx.recorder.add(f"param/{self.unit_names[u]}/norm", value, reduction="l2")
             if self.want_update:
                 self._snapshot = None if self.closed_form else [t.clone() for t in tensors]
                 self._snapshot_idx = with_grad
@@ -197,10 +199,12 @@ class GradProbe(Probe):
         rec.add("grad/global_norm", combined([n for _, n in present]), reduction="l2")
         if not sampled:
             return
-        for u, unit in enumerate(self.unit_names):
-            sub = [n for i, n in present if self.unit_index[i] == u]
-            if sub:
-                rec.add(f"grad/{unit}/norm", combined(sub), reduction="l2")
+        for u, value in self._per_unit([i for i, _ in present], [n for _, n in present]):
+            rec.add(
+                f"grad/{self.unit_names[u]}/norm",
+                value if unscale is None else value * unscale,
+                reduction="l2",
+            )
         for g in sorted({self.group_of[i] for i, _ in present if self.group_of[i] >= 0}):
             sub = [n for i, n in present if self.group_of[i] == g]
             rec.add(f"grad/param_group.{g}/norm", combined(sub), reduction="l2")
@@ -227,14 +231,29 @@ class GradProbe(Probe):
             deltas = foreach_norm_f32(snap)
             del snap
         deltas = self._scaled(idx, deltas)
-        for u, unit in enumerate(self.unit_names):
-            d = [n for i, n in zip(idx, deltas) if self.unit_index[i] == u]
-            o = [n for i, n in zip(idx, self._old_norms) if self.unit_index[i] == u]
-            if d:
-                self._record_ratio(f"update/{unit}/ratio", l2_of_norms(d), l2_of_norms(o))
-                ctx.recorder.add(f"update/{unit}/norm", l2_of_norms(d), reduction="l2")
-        self._record_ratio("update/global_ratio", l2_of_norms(deltas), l2_of_norms(self._old_norms))
-        ctx.recorder.add("update/norm", l2_of_norms(deltas), reduction="l2")
+        old = dict(self._per_unit(idx, self._old_norms))
+        for u, delta in self._per_unit(idx, deltas):
+            unit = self.unit_names[u]
+            self._record_ratio(f"update/{unit}/ratio", delta, old[u])
+            ctx.recorder.add(f"update/{unit}/norm", delta, reduction="l2")
+        total = l2_of_norms(deltas)
+        self._record_ratio("update/global_ratio", total, l2_of_norms(self._old_norms))
+        ctx.recorder.add("update/norm", total, reduction="l2")
+
+    def _per_unit(self, idx: list[int], norms: list[torch.Tensor]) -> list[tuple[int, torch.Tensor]]:
+        """(unit, 0-d L2 of its parameters' norms) for the units of parameters `idx`: one ``index_add_``
+        (`UnitNorms`), or unit by unit when the norms are on several devices."""
+        squares = self.unit_norms.squares(idx, norms)
+        units = self.unit_norms.units(idx)
+        if squares is not None:
+            roots = squares.sqrt()
+            return [(u, roots[u]) for u in units]
+        out = []
+        for u in units:
+            out.append(
+                (u, l2_of_norms([n for i, n in zip(idx, norms, strict=True) if self.unit_index[i] == u]))
+            )
+        return out
 
     def _record_ratio(self, name: str, delta: torch.Tensor, old: torch.Tensor) -> None:
         """‖Δθ‖/‖θ_old‖; under FSDP2 both parts, each an 'l2' of shards, divided after the reduction."""

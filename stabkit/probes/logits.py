@@ -25,7 +25,7 @@ from ..distributed import is_dtensor
 from ..stats import logit_stats
 from ..stats.opaque import LOGIT_COMBINES
 from ..stats.recorder import Reduction
-from ..stats.reductions import LOGZ_CHUNKS
+from ..stats.reductions import logz_chunk_rows
 from .base import Probe, ProbeContext, first_tensor, guarded
 
 NAMES = ("logits/max_abs", "logits/logz_mean", "logits/logz_max", "logits/mean")
@@ -95,7 +95,7 @@ def dtensor_logit_stats(logits: Any) -> tuple[torch.Tensor, torch.Tensor, torch.
     parts = torch.cat(
         [
             torch.stack([torch.logsumexp(c, -1), c.abs().amax(-1), c.sum(-1)], -1)  # (rows, 3)
-            for c in (chunk.float() for chunk in flat.split(max(1, -(-flat.shape[0] // LOGZ_CHUNKS))))
+            for c in (chunk.float() for chunk in flat.split(logz_chunk_rows(*flat.shape)))
         ]
     )
     group = logits.device_mesh.get_group(vocab[0])

@@ -15,11 +15,14 @@ Definitions, for a hidden state ``x`` of shape (..., D) read as N tokens × D ch
   ``mean((c − c̄)⁴) / var(c)² − 3`` (population moments; 0 when every channel has the same RMS) —
   outlier features (He et al., NeurIPS 2024): a few channels far above the rest give large values.
 
-Cost: three reductions that read `x` without copying it (per-token abs-max and mean |x|, per-channel
-sum of squares); a median is a partial sort, so it is taken only on the `CANDIDATES` tokens with the
-largest ``max |x| / mean |x|`` (a massive token has both a huge max and a mean it dominates), which
-is exact whenever N ≤ `CANDIDATES` and in practice finds the massive token. Temporaries: (N,) and
-(CANDIDATES, D), flat in the sequence length beyond the per-token vectors.
+Cost: per token the abs-max and the sum of |x| (from one |x| temporary), per channel the sum of
+squares — reductions over the last dimension written as ``amax``/``sum`` of an ``abs()``, which run
+~10× faster on a CPU than ``aminmax(dim=-1)`` or ``vector_norm(dim=...)`` there; a median is a
+partial sort, so it is taken only on the `CANDIDATES` tokens with the largest ``max |x| / mean |x|``
+(a massive token has both a huge max and a mean it dominates), which is exact whenever
+N ≤ `CANDIDATES` and in practice finds the massive token. Temporaries: (N,) vectors, and blocks of
+tokens of at most `CHUNK_ELEMENTS` entries (their |x|, float32 or wider), so they stay flat in the
+sequence length.
 """
 
 from __future__ import annotations
@@ -33,6 +36,10 @@ TINY = 1e-30
 """Floor of a median or variance in a division (an all-zero token: ratio 0)."""
 
 
+CHUNK_ELEMENTS = (1 << 20) // 4
+"""Largest block of tokens (in entries) whose |x| is made at once (1 MiB in float32)."""
+
+
 def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(massive_ratio, massive_dim, kurtosis) of hidden state `x` (..., D): see the module docstring."""
     x = x.detach()
@@ -43,9 +50,7 @@ def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     if n == 0 or d == 0:
         zero = torch.zeros((), device=flat.device)
         return zero, zero, zero
-    lo, hi = torch.aminmax(flat, dim=-1)  # (N,), (N,)
-    top = torch.maximum(hi, -lo).float()  # (N,) max |x| per token
-    mean = _norm(flat, 1, -1) / d  # (N,) mean |x| per token
+    top, mean, sumsq = _token_and_channel_sums(flat)  # (N,), (N,), (D,)
     if n > CANDIDATES:
         idx = (top / mean.clamp_min(TINY)).topk(CANDIDATES).indices  # (K,)
         rows, row_top = flat.index_select(0, idx), top.index_select(0, idx)  # (K, D), (K,)
@@ -54,7 +59,7 @@ def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     median = rows.abs().float().median(dim=-1).values  # (K,) lower median
     ratio = (row_top / median.clamp_min(TINY)).amax()
     where = flat.index_select(0, top.argmax().reshape(1)).abs().argmax()  # channel of the largest |x|
-    channel = _norm(flat, 2, 0) / n**0.5  # (D,) per-channel RMS
+    channel = (sumsq / n).sqrt().float()  # (D,) per-channel RMS
     centred = channel - channel.mean()
     var = centred.pow(2).mean()
     fourth = centred.pow(4).mean()
@@ -62,9 +67,24 @@ def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     return ratio, where.float(), kurtosis
 
 
-def _norm(x: torch.Tensor, order: int, dim: int) -> torch.Tensor:
-    """float32 vector norm over `dim`, accumulated in float32 from narrower dtypes and in the input's
-    own precision from wider ones (torch refuses to narrow inside the norm)."""
-    if x.dtype.itemsize > 4:
-        return torch.linalg.vector_norm(x, ord=order, dim=dim).float()
-    return torch.linalg.vector_norm(x, ord=order, dim=dim, dtype=torch.float32)
+def _token_and_channel_sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Of (N, D) `flat`: per token the max |x| and the mean |x| (float32, (N,)), per channel the sum of
+    squares ((D,), float32 — float64 for a float64 input, whose precision it keeps), over blocks of
+    tokens of at most `CHUNK_ELEMENTS` entries."""
+    n, d = flat.shape
+    wide = flat.dtype.itemsize > 4
+    acc = flat.dtype if wide else torch.float32
+    rows = max(1, CHUNK_ELEMENTS // d)
+    tops: list[torch.Tensor] = []
+    sums: list[torch.Tensor] = []
+    sumsq = torch.zeros(d, dtype=acc, device=flat.device)
+    for start in range(0, n, rows):
+        part = flat[start : start + rows]  # (r, D) view
+        mag = part.abs() if part.dtype == acc else part.to(acc).abs_()  # (r, D): the one temporary
+        tops.append(mag.amax(dim=-1).float())
+        sums.append(mag.sum(dim=-1).float())
+        sumsq += mag.mul_(mag).sum(dim=0)
+        del mag
+    top = tops[0] if len(tops) == 1 else torch.cat(tops)
+    total = sums[0] if len(sums) == 1 else torch.cat(sums)
+    return top, total / d, sumsq

@@ -77,7 +77,13 @@ class Recorder:
     ) -> None:
         """Record a 0-d statistic for the current step (called from hooks; no host sync). A DTensor
         (a loss under tensor parallelism's loss_parallel) is recorded as this rank's plain value."""
-        value = plain(value).detach().reshape(()).float()
+        value = plain(value)
+        if value.requires_grad:
+            value = value.detach()
+        if value.dim():
+            value = value.reshape(())
+        if value.dtype != torch.float32:
+            value = value.float()
         if torch.compiler.is_compiling():  # a pack of one (see the module docstring)
             kept = value * value if combine == "rms" else value
             self.add_packed((name,), (combine,), (reduction,), torch.stack([kept, torch.ones_like(kept)]))

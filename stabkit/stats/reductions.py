@@ -14,6 +14,9 @@ import torch
 LOGZ_CHUNKS = 64
 """The log Z reduction runs over at most this many row chunks: its temporaries stay ~1/32 of the
 logits' size (the logits themselves are resident anyway), with few kernel launches."""
+LOGZ_CHUNK_BYTES = 4 << 20
+"""...and chunks are never smaller than this (float32 bytes): small logits take one or a few chunks
+instead of 64 launches of tiny kernels (the small reference GPT's 2 MiB of logits: 1 instead of 64)."""
 
 
 def norm_f32(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -44,15 +47,20 @@ def foreach_norm_f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [out[i] for i in range(len(tensors))]
 
 
+_CPU_ZERO = torch.zeros(())
+"""The non-finite count of a finite CPU tensor (read-only: recorders combine values out of place)."""
+
+
 def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rms, abs-max, non-finite count) of `x`, as float32 0-d device tensors.
 
     The norm and min/max accumulate from the input dtype without a float copy. The count uses
     `x * 0`, which is 0 for finite entries and NaN for NaN/±Inf, so `nan_to_num_(nan=1).sum()`
     counts them (~7x cheaper on a CPU than `isfinite(x).sum()`, which makes several boolean
-    passes). rms and abs-max are non-finite whenever `x` holds a NaN/Inf, so on a CPU — where
-    reading a value involves no device synchronisation — the count is only computed when they
-    are; on an accelerator it is always computed, on the device, without a sync. Under
+    passes). The abs-max is non-finite exactly when `x` holds a NaN/Inf (min and max propagate
+    NaN), so on a CPU — where reading a value involves no device synchronisation — the count is
+    only computed when it is (else a shared zero is returned); on an accelerator it is always
+    computed, on the device, without a sync. Under
     ``torch.compile`` it is always computed too (a host read would break the graph): Inductor reads
     `x` once for all four reductions.
     """
@@ -67,13 +75,8 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     absmax = torch.maximum(hi, -lo).float()
     # sync point: reads host memory only (CPU tensors), never a device
     compiling = torch.compiler.is_compiling()
-    if (
-        not compiling
-        and x.device.type == "cpu"
-        and math.isfinite(float(rms))
-        and math.isfinite(float(absmax))
-    ):
-        return rms, absmax, torch.zeros(())
+    if not compiling and x.device.type == "cpu" and math.isfinite(float(absmax)):
+        return rms, absmax, _CPU_ZERO
     marks = x * 0  # 0 where finite, NaN where NaN or ±Inf
     marks.nan_to_num_(nan=1.0)
     nonfinite = marks.sum(dtype=torch.float32)
@@ -87,6 +90,12 @@ def l2_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
 
 
+def logz_chunk_rows(n_rows: int, vocab: int) -> int:
+    """Rows per chunk of the log Z reduction over (n_rows, vocab) logits: at most `LOGZ_CHUNKS`
+    chunks, each of at least `LOGZ_CHUNK_BYTES` in float32 (or all rows)."""
+    return max(1, -(-n_rows // LOGZ_CHUNKS), LOGZ_CHUNK_BYTES // (4 * max(1, vocab)))
+
+
 def logit_stats(
     logits: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -94,8 +103,8 @@ def logit_stats(
     float32 on device. The mean logit is over the vocabulary and every position: the quantity
     Wortsman et al. 2023 (§3.2, Fig. 4) plot for the output-logit divergence.
 
-    log Z = logsumexp is computed over LOGZ_CHUNKS row chunks, so its temporaries stay a small
-    fraction of the logits (the probe runs at the end of the forward pass, where memory peaks);
+    log Z = logsumexp is computed over at most LOGZ_CHUNKS row chunks of at least LOGZ_CHUNK_BYTES,
+    so its temporaries stay a small fraction of the logits (or that many bytes) (the probe runs at the end of the forward pass, where memory peaks);
     the mean logit is summed from the same float32 chunks.
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
@@ -106,7 +115,7 @@ def logit_stats(
         wide = flat.float()  # (N, V), not materialised by Inductor
         logz = torch.logsumexp(wide, dim=-1)  # (N,)
         return max_abs, logz.sum() / count, logz.amax(), wide.sum() / max(1, flat.numel())
-    rows = max(1, -(-flat.shape[0] // LOGZ_CHUNKS))  # ceil
+    rows = logz_chunk_rows(*flat.shape)
     total = torch.zeros((), device=flat.device)
     logit_sum = torch.zeros((), device=flat.device)
     peak = torch.full((), -math.inf, device=flat.device)

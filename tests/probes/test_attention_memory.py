@@ -221,7 +221,7 @@ def test_monitor_blocks_fit_the_configured_budget(
 
 
 def test_attn_chunk_bytes_is_validated() -> None:
-    assert stabkit.MonitorConfig().attn_chunk_bytes == 1 << 20
+    assert stabkit.MonitorConfig().attn_chunk_bytes == 4 << 20
     for bad in (0, 4095, 2.5, True, "1MiB"):
         with pytest.raises(ValueError, match="attn_chunk_bytes must be an integer >= 4096"):
             stabkit.MonitorConfig(attn_chunk_bytes=bad)  # type: ignore[arg-type]
