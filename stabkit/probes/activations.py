@@ -2,7 +2,9 @@
 
 Forward hooks, active on sampled steps and in training forwards only (not in evaluation,
 generation, no-grad forwards, nor the recomputation of activation checkpointing: see
-`ProbeContext.training_forward`). The block modules' outputs are the residual stream after each
+`ProbeContext.training_forward`). Eager, a hook makes only the reductions that read the output (a
+norm and a min/max, `stabkit.stats.tensor_batch`); the statistics of all outputs are finished
+together, as vectors, when the step's statistics are first read (`Recorder.defer`). The block modules' outputs are the residual stream after each
 block, so `act/<block>/rms` is the residual-stream RMS.
 
 Under ``torch.compile`` the hook is traced into the model's graph (`ActivationProbe._traced`): sampled
@@ -22,6 +24,7 @@ from ..distributed import is_dtensor, plain
 from ..stats import tensor_stats
 from ..stats.opaque import TENSOR_COMBINES
 from ..stats.recorder import Reduction
+from ..stats.tensor_batch import TensorReductions, by_device, finish_tensors, reduce_tensor
 from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
 
 TENSOR_REDUCTIONS: tuple[Reduction, ...] = ("rms", "max", "sum")
@@ -46,7 +49,9 @@ class ActivationProbe(Probe):
         self.paths = select_modules(ctx.model, ctx.config.modules, list(dict.fromkeys(default)))
         # A module often returns its child's output object unchanged (attn -> o_proj, mlp -> proj):
         # the last measured tensor is remembered (weakly, so nothing is kept alive) and not measured twice.
-        self._last: tuple[weakref.ref[torch.Tensor], tuple[torch.Tensor, ...]] | None = None
+        self._last: tuple[weakref.ref[torch.Tensor], TensorReductions] | None = None
+        self._kept: list[tuple[tuple[str, str, str], TensorReductions]] = []
+        """Reductions of this step's measured outputs, finished at the step's first read (`_finish`)."""
         modules = dict(ctx.model.named_modules())
         self.watch_forwards()
         for path in self.paths:
@@ -91,11 +96,25 @@ class ActivationProbe(Probe):
             return
         last = self._last
         if last is not None and last[0]() is x:
-            rms, absmax, nonfinite = last[1]
+            kept = last[1]
         else:
-            rms, absmax, nonfinite = tensor_stats(x)
-            self._last = (weakref.ref(x), (rms, absmax, nonfinite))
-        rec = ctx.recorder
-        rec.add(names[0], rms, combine="rms", reduction="rms")
-        rec.add(names[1], absmax, combine="max", reduction="max")
-        rec.add(names[2], nonfinite, combine="sum", reduction="sum")
+            kept = reduce_tensor(x)
+            self._last = (weakref.ref(x), kept)
+        self._kept.append((names, kept))
+        ctx.recorder.defer(self._finish)
+
+    @guarded
+    def _finish(self) -> None:
+        """Before the step's statistics are read (`Recorder.defer`): the statistics of every tensor
+        the hooks reduced since, as three vectors per device."""
+        ctx = self.ctx
+        kept, self._kept = self._kept, []
+        if ctx is None or not kept:
+            return
+        reductions = [r for _, r in kept]
+        for idx in by_device(reductions).values():
+            rms, absmax, nonfinite = finish_tensors([reductions[i] for i in idx])
+            rec = ctx.recorder
+            rec.add_vector(tuple(kept[i][0][0] for i in idx), rms, combine="rms", reduction="rms")
+            rec.add_vector(tuple(kept[i][0][1] for i in idx), absmax, combine="max", reduction="max")
+            rec.add_vector(tuple(kept[i][0][2] for i in idx), nonfinite, combine="sum", reduction="sum")

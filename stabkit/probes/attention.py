@@ -74,7 +74,7 @@ from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
 from .attention_op import layout, measured, opaque_ok, summary_values
 from .attention_stats import HeadStats, Sampling
-from .base import Probe, ProbeContext, ProbeError
+from .base import Probe, ProbeContext, ProbeError, guarded
 
 INTERVENTION_CAP_ATTR = "_stabkit_attn_softcap"
 """Attribute the attn_softcap intervention sets on a capped attention module (its cap)."""
@@ -114,6 +114,8 @@ class AttentionProbe(Probe):
         """Attention modules whose calls cannot be read: warned about once, no longer watched."""
         self._reads: dict[str, int] = {}
         """Calls read (or tried) in each module's forward in progress."""
+        self._kept: list[tuple[str, HeadStats, float | None, float | None]] = []
+        """This step's measured calls, summarised at the step's first read (`_finish`)."""
         tracked = {p: a.sink_columns for p, a in sites.items() if a.softmax_shift or a.sink_columns}
         self._eager = EagerTracker(tracked)
         readers: dict[Callable[..., Any], Reader] = {
@@ -244,7 +246,18 @@ class AttentionProbe(Probe):
                 self._measure_traced(call, sampling, path, applied_cap, seen_capped)
                 return
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
-            self._record(path, stats, seen_capped, applied_cap)
+            # the summary's small ops run later, with every call's (`Recorder.defer`)
+            self._kept.append((path, stats, seen_capped, applied_cap))
+            ctx.recorder.defer(self._finish)
+
+    @guarded
+    def _finish(self) -> None:
+        """Before the step's statistics are read (`Recorder.defer`): the summary of every call the
+        probe measured since."""
+        kept, self._kept = self._kept, []
+        with torch._C.DisableTorchFunction(), torch.no_grad():  # as in the handler: no mode sees them
+            for path, stats, seen_capped, applied_cap in kept:
+                self._record(path, stats, seen_capped, applied_cap)
 
     def _measure_traced(
         self,

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, local
-from ..stats import outlier_stats
 from ..stats.opaque import OUTLIER_COMBINES
+from ..stats.outliers import OutlierReductions, finish_outliers, reduce_outliers
 from ..stats.recorder import Reduction
 from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
 
@@ -45,6 +45,8 @@ class OutlierProbe(Probe):
         blocks = list(ctx.model_map.block_paths)
         chosen = set(select_modules(ctx.model, ctx.config.modules, blocks))
         self.paths = [p for p in blocks if p in chosen]
+        self._kept: list[tuple[tuple[str, ...], OutlierReductions]] = []
+        """This step's reduced block outputs, finished at the step's first read (`_finish`)."""
         self.watch_forwards()
         for path in self.paths:
             module = ctx.model.get_submodule(path)
@@ -75,7 +77,22 @@ class OutlierProbe(Probe):
             cadence = every if phase.gated else None
             ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, packed, cadence)
             return
-        for name, value, combine, reduction in zip(
-            names, outlier_stats(x), OUTLIER_COMBINES, REDUCTIONS, strict=True
-        ):
-            ctx.recorder.add(name, value, combine=combine, reduction=reduction)
+        kept = reduce_outliers(x)
+        if kept is None:
+            return
+        self._kept.append((names, kept))
+        ctx.recorder.defer(self._finish)  # the small ops run later, with every block's
+
+    @guarded
+    def _finish(self) -> None:
+        """Before the step's statistics are read (`Recorder.defer`): the statistics of every block
+        output the hooks reduced since."""
+        ctx = self.ctx
+        kept, self._kept = self._kept, []
+        if ctx is None:
+            return
+        for names, reductions in kept:
+            for name, value, combine, reduction in zip(
+                names, finish_outliers(reductions), OUTLIER_COMBINES, REDUCTIONS, strict=True
+            ):
+                ctx.recorder.add(name, value, combine=combine, reduction=reduction)

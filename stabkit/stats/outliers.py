@@ -27,6 +27,8 @@ sequence length.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 CANDIDATES = 64
@@ -40,16 +42,41 @@ CHUNK_ELEMENTS = (1 << 20) // 4
 """Largest block of tokens (in entries) whose |x| is made at once (1 MiB in float32)."""
 
 
+@dataclass(frozen=True)
+class OutlierReductions:
+    """What must be read from a hidden state (`reduce_outliers`); `finish_outliers` makes the
+    statistics of it later (a probe defers that arithmetic to the end of the step's reads)."""
+
+    row_top: torch.Tensor
+    """(K,) float32 max |x| of the candidate tokens."""
+    median: torch.Tensor
+    """(K,) float32 their median |x|."""
+    where: torch.Tensor
+    """0-d int64 channel of the largest |x|."""
+    sumsq: torch.Tensor
+    """(D,) per-channel sum of squares (float32, float64 for a float64 input)."""
+    tokens: int
+    """N."""
+
+
 def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(massive_ratio, massive_dim, kurtosis) of hidden state `x` (..., D): see the module docstring."""
+    kept = reduce_outliers(x)
+    if kept is None:
+        zero = torch.zeros((), device=x.device)
+        return zero, zero, zero
+    return finish_outliers(kept)
+
+
+def reduce_outliers(x: torch.Tensor) -> OutlierReductions | None:
+    """The passes over `x` (..., D) that `outlier_stats` needs (None for an empty `x`)."""
     x = x.detach()
     flat = x.reshape(-1, x.shape[-1]) if x.dim() else x.reshape(1, 1)  # (N, D)
     if not flat.is_floating_point():
         flat = flat.float()
     n, d = flat.shape
     if n == 0 or d == 0:
-        zero = torch.zeros((), device=flat.device)
-        return zero, zero, zero
+        return None
     top, mean, sumsq = _token_and_channel_sums(flat)  # (N,), (N,), (D,)
     if n > CANDIDATES:
         idx = (top / mean.clamp_min(TINY)).topk(CANDIDATES).indices  # (K,)
@@ -57,14 +84,19 @@ def outlier_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Te
     else:
         rows, row_top = flat, top
     median = rows.abs().float().median(dim=-1).values  # (K,) lower median
-    ratio = (row_top / median.clamp_min(TINY)).amax()
     where = flat.index_select(0, top.argmax().reshape(1)).abs().argmax()  # channel of the largest |x|
-    channel = (sumsq / n).sqrt().float()  # (D,) per-channel RMS
+    return OutlierReductions(row_top, median, where, sumsq, n)
+
+
+def finish_outliers(kept: OutlierReductions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(massive_ratio, massive_dim, kurtosis) from `reduce_outliers`' reductions (small ops only)."""
+    ratio = (kept.row_top / kept.median.clamp_min(TINY)).amax()
+    channel = (kept.sumsq / kept.tokens).sqrt().float()  # (D,) per-channel RMS
     centred = channel - channel.mean()
     var = centred.pow(2).mean()
     fourth = centred.pow(4).mean()
     kurtosis = torch.where(var > 0, fourth / var.clamp_min(TINY).pow(2) - 3.0, 0.0)
-    return ratio, where.float(), kurtosis
+    return ratio, kept.where.float(), kurtosis
 
 
 def _token_and_channel_sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

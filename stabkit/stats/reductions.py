@@ -47,7 +47,7 @@ def foreach_norm_f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     return [out[i] for i in range(len(tensors))]
 
 
-_CPU_ZERO = torch.zeros(())
+CPU_ZERO = torch.zeros(())
 """The non-finite count of a finite CPU tensor (read-only: recorders combine values out of place)."""
 
 
@@ -76,11 +76,16 @@ def tensor_stats(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Ten
     # sync point: reads host memory only (CPU tensors), never a device
     compiling = torch.compiler.is_compiling()
     if not compiling and x.device.type == "cpu" and math.isfinite(float(absmax)):
-        return rms, absmax, _CPU_ZERO
+        return rms, absmax, CPU_ZERO
+    return rms, absmax, nonfinite_count(x)
+
+
+def nonfinite_count(x: torch.Tensor) -> torch.Tensor:
+    """float32 0-d count of NaN/±Inf entries of floating `x`, on its device: ``x * 0`` is 0 where
+    finite and NaN elsewhere, ``nan_to_num_(nan=1)`` makes those 1, and they are summed."""
     marks = x * 0  # 0 where finite, NaN where NaN or ±Inf
     marks.nan_to_num_(nan=1.0)
-    nonfinite = marks.sum(dtype=torch.float32)
-    return rms, absmax, nonfinite
+    return marks.sum(dtype=torch.float32)
 
 
 def l2_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
