@@ -2,10 +2,10 @@
 
 Runs in the optimizer's step post-hook on sampled steps. For torch's Adam, AdamW and SGD the
 update is rebuilt from the optimizer state and the gradient that are still there right after
-the step, so the only extra memory is one temporary per parameter of a batch of at most
+the step, so the only extra memory is two temporaries per parameter of a batch of at most
 `BATCH_ELEMENTS` entries (or one parameter, when a parameter is larger). Adam(W) parameters whose
 step count is a host number (torch's default, not ``capturable``/``fused``) are rebuilt a batch at a
-time with ``torch._foreach_*`` ops — a few kernels per batch instead of ~25 small ops per parameter,
+time with ``torch._foreach_*`` ops — four passes per batch instead of ~25 small ops per parameter,
 which on a small model were most of the monitor's optimizer-step cost. Other optimizers fall back
 to a snapshot taken in the pre-hook (one copy of the parameters on sampled steps).
 """
@@ -104,19 +104,26 @@ def _adam_batch_norms(
     lr, eps = float(group["lr"]), group["eps"]
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
-    u = list(torch._foreach_sqrt([s[second].float() for s in states]))  # the batch's one temporary
-    torch._foreach_div_(u, bc2**0.5)
-    torch._foreach_add_(u, eps)
-    torch._foreach_reciprocal_(u)
-    torch._foreach_mul_(u, [s["exp_avg"].float() for s in states])
-    torch._foreach_mul_(u, lr / bc1)  # u = lr/bc1 · m / (√v/√bc2 + ε)
+    # m / (√v/√bc2 + ε) = √bc2 · m / (√v + ε·√bc2): bc2 folds into the scalars, four passes in all
+    root = bc2**0.5
+    denom = list(torch._foreach_sqrt([s[second].float() for s in states]))  # √v + ε·√bc2
+    torch._foreach_add_(denom, eps * root)
+    scale = lr * root / bc1
+    moments = [s["exp_avg"].float() for s in states]
     shrink = lr * group["weight_decay"] if decoupled else 0.0
-    if shrink:
-        torch._foreach_add_(u, [p.detach().float() for p in params], alpha=shrink)
-    norms = foreach_norm_f32(u)
-    del u
-    if shrink:
+    if shrink:  # a·θ_new + u
+        update = list(torch._foreach_mul([p.detach().float() for p in params], shrink))
+        torch._foreach_addcdiv_(update, moments, denom, value=scale)
+        del denom
+        norms = foreach_norm_f32(update)
+        del update
         torch._foreach_div_(norms, 1 - shrink)
+        return norms
+    ratio = list(torch._foreach_div(moments, denom))  # u / scale
+    del denom
+    norms = foreach_norm_f32(ratio)
+    del ratio
+    torch._foreach_mul_(norms, scale)
     return norms
 
 
