@@ -3,8 +3,10 @@
 Variants (same seed, same batches, same model init): ``bare`` (no stabkit), ``default``
 (`stabkit.attach` with the default MonitorConfig), ``full`` (`MonitorConfig.full()`: every module,
 every step, exact attention statistics), ``anomaly`` (`torch.autograd.detect_anomaly`, a peer).
-Repetitions are interleaved (the variant order rotates each round) so that machine noise hits
-every variant alike; the figure per variant is the median over rounds of the mean step time.
+Repetitions are interleaved (the variant order rotates each round, and within a round the variants
+take turns in slices of `SLICE_STEPS` steps) so that machine noise hits every variant alike; the
+figure per variant is the median over rounds of the mean step time, and the ratio the budget is
+judged on (CPU time) the median over rounds of the paired ratio variant / bare.
 
 With ``compile`` (`stabkit bench --compile`) every variant runs ``torch.compile(model)`` (Inductor)
 and the monitors attach before anything is compiled (attach resets Dynamo's caches when code was
@@ -162,7 +164,12 @@ class BenchResult:
         return self.variants[name].median / self.variants["bare"].median
 
     def cpu_ratio(self, name: str) -> float:
-        """Process-CPU-time ratio of medians against bare."""
+        """Process-CPU-time ratio against bare: the median of the per-round paired ratios (each round
+        times every variant in interleaved slices, so a slow spell of the machine hits both sides of
+        a pair), or the ratio of medians when a round lacks a bare time."""
+        mine, bare = self.variants[name].cpu_times, self.variants["bare"].cpu_times
+        if len(mine) == len(bare) and all(b > 0 for b in bare):
+            return statistics.median(m / b for m, b in zip(mine, bare, strict=True))
         return self.variants[name].cpu_median / self.variants["bare"].cpu_median
 
     def round_ratios(self, name: str) -> list[float]:
@@ -329,6 +336,35 @@ def total_steps(cfg: BenchConfig) -> int:
     return len(cfg.variants) * (cfg.warmup + cfg.repeats * cfg.steps)
 
 
+SLICE_STEPS = 10
+"""A round times each variant in slices of this many steps, variants taking turns slice by slice, so
+that a slow spell of the machine (seconds long on shared CPUs) hits every variant of the round. It is
+`MonitorConfig.every`'s default: a slice holds whole sampling cycles."""
+
+
+def slices(steps: int) -> list[int]:
+    """A round's `steps` as consecutive slices of `SLICE_STEPS` (the last one shorter)."""
+    return [min(SLICE_STEPS, steps - done) for done in range(0, steps, SLICE_STEPS)]
+
+
+def _timed_block(cfg: BenchConfig, tr: _Trainer, result: VariantResult, steps: int) -> tuple[float, float]:
+    """Train `steps` steps of one variant; (wall, CPU) seconds, the CUDA peak and Dynamo's recompiles
+    kept in `result`."""
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = dynamo_counts() if cfg.compile else None
+    start, cpu_start = time.perf_counter(), time.process_time()
+    tr.run(steps, anomaly=result.name == "anomaly")
+    if cfg.device == "cuda":
+        torch.cuda.synchronize()  # sync point: end of a timed block
+        result.peak_bytes = max(result.peak_bytes or 0, torch.cuda.max_memory_allocated())
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
+    if before is not None:
+        result.recompiles = (result.recompiles or 0) + dynamo_counts()[0] - before[0]
+    return wall, cpu
+
+
 def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult:
     """Interleaved rounds of every variant; returns medians, ratios and memory (see module doc).
 
@@ -358,28 +394,19 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
         try:
             for r in range(cfg.repeats):
                 rotation = order[r % len(order) :] + order[: r % len(order)]
-                for name in rotation:
-                    if progress is not None:
-                        progress.begin(f"round {r + 1}/{cfg.repeats} {name}")
-                    tr = trainers[name]
-                    if cfg.device == "cuda":
-                        torch.cuda.synchronize()
-                        torch.cuda.reset_peak_memory_stats()
-                    before = dynamo_counts() if cfg.compile else None
-                    start, cpu_start = time.perf_counter(), time.process_time()
-                    tr.run(cfg.steps, anomaly=name == "anomaly")
-                    if cfg.device == "cuda":
-                        torch.cuda.synchronize()  # sync point: end of a timed block
-                        peak = torch.cuda.max_memory_allocated()
-                        results[name].peak_bytes = max(results[name].peak_bytes or 0, peak)
-                    results[name].step_times.append((time.perf_counter() - start) / cfg.steps)
-                    results[name].cpu_times.append((time.process_time() - cpu_start) / cfg.steps)
-                    if before is not None:
-                        results[name].recompiles = (
-                            (results[name].recompiles or 0) + dynamo_counts()[0] - before[0]
-                        )
-                    if progress is not None:
-                        progress.update(cfg.steps)
+                spent = {name: [0.0, 0.0] for name in rotation}  # wall, CPU seconds this round
+                for part in slices(cfg.steps):
+                    for name in rotation:
+                        if progress is not None:
+                            progress.begin(f"round {r + 1}/{cfg.repeats} {name}")
+                        wall, cpu = _timed_block(cfg, trainers[name], results[name], part)
+                        spent[name][0] += wall
+                        spent[name][1] += cpu
+                        if progress is not None:
+                            progress.update(part)
+                for name, (wall, cpu) in spent.items():
+                    results[name].step_times.append(wall / cfg.steps)
+                    results[name].cpu_times.append(cpu / cfg.steps)
         finally:
             for tr in trainers.values():
                 if tr.monitor is not None:
