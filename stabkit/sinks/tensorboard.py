@@ -16,6 +16,7 @@ from typing import Any
 from tensorboard.compat.proto.summary_pb2 import Summary
 
 from ..events import Event
+from .checksums import use_fast_checksums
 
 
 def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
@@ -61,6 +62,7 @@ class TensorBoardSink:
 
         self.label = f"TensorBoard events in {logdir}"
         quiet_writer_thread_errors()
+        use_fast_checksums()  # C checksums when google-crc32c is installed (stabkit[fast])
         self.writer = SummaryWriter(log_dir=str(logdir))
         self._layout_names: set[str] = set()
 
