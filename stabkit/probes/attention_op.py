@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..attention.call import LogitsCall, QKCall
-from ..stats.opaque import gate_open
+from ..stats.opaque import gate_open, opaque_fake, opaque_op
 from ..stats.recorder import Combine, Reduction
 from .attention_measure import measure
 from .attention_stats import HeadStats, Sampling, uncap
@@ -88,7 +88,12 @@ def opaque_ok(call: QKCall | LogitsCall) -> bool:
     return call.positions is None and call.flex is None and call.score_mod is None and not call.score_args
 
 
-@torch.library.custom_op("stabkit::attention_qk", mutates_args=())
+@opaque_op(
+    "attention_qk",
+    "(Tensor q, Tensor k, Tensor? allowed, Tensor? bias, Tensor? sinks, Tensor round_, bool causal, "
+    "float? scale, float? softcap, float? applied_cap, float? seen_capped, int? rows, int? queries, "
+    "int budget, bool per_head, int gate, int every) -> Tensor",
+)
 def attention_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -119,7 +124,7 @@ def attention_qk(
         return packed(summary_values(stats, seen_capped, applied_cap, per_head))
 
 
-@attention_qk.register_fake
+@opaque_fake("attention_qk")
 def _(q: torch.Tensor, k: torch.Tensor, allowed: Any, bias: Any, sinks: Any, *rest: Any) -> torch.Tensor:
     applied_cap, seen_capped, per_head = (
         rest[4],
@@ -132,7 +137,11 @@ def _(q: torch.Tensor, k: torch.Tensor, allowed: Any, bias: Any, sinks: Any, *re
     return q.new_empty((n + 1,), dtype=torch.float32)
 
 
-@torch.library.custom_op("stabkit::attention_logits", mutates_args=())
+@opaque_op(
+    "attention_logits",
+    "(Tensor x, Tensor round_, int sink_columns, float? applied_cap, float? seen_capped, int? rows, "
+    "int? queries, int budget, bool per_head, int gate, int every) -> Tensor",
+)
 def attention_logits(
     x: torch.Tensor,
     round_: torch.Tensor,
@@ -158,7 +167,7 @@ def attention_logits(
         return packed(summary_values(stats, seen_capped, applied_cap, per_head))
 
 
-@attention_logits.register_fake
+@opaque_fake("attention_logits")
 def _(
     x: torch.Tensor,
     round_: torch.Tensor,
