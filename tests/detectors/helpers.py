@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -65,16 +65,14 @@ def realistic_rows(steps: int, seed: int, every: int = 10) -> list[tuple[int, di
     return rows
 
 
-def train_with_logit_fault(model: Any, opt: Any, mon: Any, steps: int, fault_at: int | None) -> list[float]:
-    """Train the tiny reference GPT (vocab 256, context 32) on text with `mon` attached; at step
-    `fault_at` scale block 1's q and k weights ×10 (its attention logits ×100: the attention turns
-    one-hot). Returns the losses."""
+def train_with_fault(
+    model: Any, opt: Any, mon: Any, steps: int, fault: Callable[[int, Any, Any], None]
+) -> list[float]:
+    """Train the tiny reference GPT (vocab 256, context 32) on text with `mon` attached, calling
+    `fault(step, model, opt)` before each step's forward. Returns the losses."""
     losses = []
     for step, (x, y) in enumerate(text_batches(steps, 8, 32, seed=0)):
-        if step == fault_at:
-            with torch.no_grad():
-                model.blocks[1].attn.q_proj.weight.mul_(10)
-                model.blocks[1].attn.k_proj.weight.mul_(10)
+        fault(step, model, opt)
         loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
         loss.backward()
         opt.step()
@@ -82,3 +80,16 @@ def train_with_logit_fault(model: Any, opt: Any, mon: Any, steps: int, fault_at:
         mon.step(loss)
         losses.append(loss.item())
     return losses
+
+
+def train_with_logit_fault(model: Any, opt: Any, mon: Any, steps: int, fault_at: int | None) -> list[float]:
+    """`train_with_fault` where step `fault_at` scales block 1's q and k weights ×10 (its attention
+    logits ×100: the attention turns one-hot)."""
+
+    def scale_qk(step: int, model: Any, opt: Any) -> None:
+        if step == fault_at:
+            with torch.no_grad():
+                model.blocks[1].attn.q_proj.weight.mul_(10)
+                model.blocks[1].attn.k_proj.weight.mul_(10)
+
+    return train_with_fault(model, opt, mon, steps, scale_qk)

@@ -14,7 +14,7 @@ from zoo import reference_gpt
 import stabkit
 from stabkit.detectors import BlockInfo, DetectConfig, DetectorContext, Judge
 
-from .helpers import text_batches
+from .helpers import text_batches, train_with_fault
 
 BLOCKS = tuple(BlockInfo(f"blocks.{i}", i, "pre") for i in range(6))
 
@@ -164,15 +164,7 @@ def run_monitored(steps: int, fault: callable, **attach: object) -> tuple[list[s
         every=1, console=False, audit=False, tensorboard=False, jsonl=False, log_every=10
     )
     mon = stabkit.attach(model, opt, config=cfg, **attach)
-    losses = []
-    for step, (x, y) in enumerate(text_batches(steps, 8, 32, seed=0)):
-        fault(step, model, opt)
-        loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
-        losses.append(loss.item())
+    losses = train_with_fault(model, opt, mon, steps, fault)
     mon.detach()
     return list(mon.events), losses
 
