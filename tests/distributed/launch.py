@@ -1,15 +1,18 @@
 """What the multi-process tests of this folder share: `torchrun` runs a worker script of
 tests/dist_workers/ on N local CPU ranks (gloo) — each rank writes ``rank<r>.json`` into `out`, returned in
-rank order (the worker's side: `dist_workers/entry.py`) — and `SPLIT_ROWS`, the statistics that are not
-exact once the batch or sequence is split over ranks.
+rank order (the worker's side: `dist_workers/entry.py`) —, `SPLIT_ROWS`, the statistics that are not
+exact once the batch or sequence is split over ranks, and the comparison of a parallel run's logged
+history with one process's (`worst_errors`, `one_writer`).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,3 +38,46 @@ def torchrun(
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(nproc)]
+
+
+def relative_error(got: float, want: float, floor: float = 1e-12) -> float:
+    """|got − want| / max(|want|, floor); 0 when both are NaN, inf when only one is."""
+    if math.isnan(want) or math.isnan(got):
+        return 0.0 if math.isnan(want) and math.isnan(got) else math.inf
+    return abs(got - want) / max(abs(want), floor)
+
+
+def worst_errors(
+    got_history: list[Any],
+    want_history: list[Any],
+    steps: int,
+    split: bool,
+    tolerance: Callable[[str], float],
+    floor: Callable[[str], float] = lambda name: 1e-12,
+) -> dict[str, float]:
+    """Every statistic of a parallel run's history (rank 0's ``[step, values]`` rows) against one
+    process's: the same steps and names, each within `tolerance(name)` relative error (`SPLIT_ROWS`
+    skipped when `split`); returns the largest error per kind (``family/statistic``)."""
+    got = {int(s): v for s, v in got_history}
+    want = {int(s): v for s, v in want_history}
+    assert sorted(got) == sorted(want) == list(range(steps))
+    worst: dict[str, float] = {}
+    for step, ref in want.items():
+        assert set(got[step]) == set(ref), (step, set(ref) ^ set(got[step]))
+        for name, value in ref.items():
+            if split and name.endswith(SPLIT_ROWS):
+                continue
+            err = relative_error(got[step][name], value, floor(name))
+            assert err <= tolerance(name), (step, name, got[step][name], value)
+            kind = name.split("/")[0] + "/" + name.rsplit("/", 1)[-1]
+            worst[kind] = max(worst.get(kind, 0.0), err)
+    return worst
+
+
+def one_writer(logdir: Path, steps: int) -> None:
+    """Rank 0 alone wrote: one TensorBoard file, each step logged once."""
+    from stabkit.sinks import read_jsonl
+
+    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
+    logged = [r["step"] for r in read_jsonl(logdir / "stabkit.jsonl") if r["type"] == "metrics"]
+    assert logged == list(range(steps))

@@ -8,7 +8,6 @@ process on the whole global batch (`tensor_parallel.run("single...")`).
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ REL = 1e-5
 <= 3e-6 on the HF Llama, whose TP sums its row-parallel outputs in another order)."""
 LOOSE = {"clip/z": 1e-4}
 """ZClip's z-score (g − μ) / σ with σ from one warm-up step (z ~ 4500) amplifies float rounding."""
-SPLIT_ROWS = launch.SPLIT_ROWS
 
 
 def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 240.0) -> list[dict[str, Any]]:
@@ -49,12 +47,9 @@ def single(scenario: str, out: Path) -> dict[str, Any]:
     return worker.run(scenario, str(out))
 
 
-def off(got: float, want: float, name: str) -> float:
-    """Relative error (0 when both are NaN; kurtosis near 0 against a 1e-5 floor)."""
-    if math.isnan(want) or math.isnan(got):
-        return 0.0 if math.isnan(want) and math.isnan(got) else math.inf
-    floor = 1e-1 if name.endswith("/kurtosis") else 1e-12
-    return abs(got - want) / max(abs(want), floor)
+def floor(name: str) -> float:
+    """The relative error's floor: kurtosis near 0 is compared against 0.1."""
+    return 1e-1 if name.endswith("/kurtosis") else 1e-12
 
 
 def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool) -> dict[str, float]:
@@ -63,19 +58,9 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool)
         assert r["history"] == ranks[0]["history"], "every rank must get the same reduced values"
         assert r["events"] == ranks[0]["events"], "every rank must report the same events"
     assert [r["mode"] for r in ranks] == ["sharded"] * len(ranks)
-    got = {int(s): v for s, v in ranks[0]["history"]}
-    want = {int(s): v for s, v in reference["history"]}
-    assert sorted(got) == sorted(want) == list(range(worker.STEPS))
-    worst: dict[str, float] = {}
-    for step, ref in want.items():
-        assert set(got[step]) == set(ref), (step, set(ref) ^ set(got[step]))
-        for name, value in ref.items():
-            if split and name.endswith(SPLIT_ROWS):
-                continue
-            err = off(got[step][name], value, name)
-            assert err <= LOOSE.get(name, REL), (step, name, got[step][name], value)
-            kind = name.split("/")[0] + "/" + name.rsplit("/", 1)[-1]
-            worst[kind] = max(worst.get(kind, 0.0), err)
+    worst = launch.worst_errors(
+        ranks[0]["history"], reference["history"], worker.STEPS, split, lambda n: LOOSE.get(n, REL), floor
+    )
     mean_loss = [sum(step) / len(ranks) for step in zip(*(r["losses"] for r in ranks), strict=True)]
     assert mean_loss == pytest.approx(reference["losses"], rel=REL, nan_ok=True)  # equal data shares
     assert ranks[0]["events"] == reference["events"]
@@ -84,9 +69,7 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool)
 
 def one_writer(logdir: Path) -> None:
     """Rank 0 alone wrote: one TensorBoard file, each step logged once."""
-    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
-    logged = [r["step"] for r in read_jsonl(logdir / "stabkit.jsonl") if r["type"] == "metrics"]
-    assert logged == list(range(worker.STEPS))
+    launch.one_writer(logdir, worker.STEPS)
 
 
 def test_tp_every_statistic_equals_one_process(tmp_path: Path) -> None:

@@ -9,7 +9,6 @@ before they were frozen). Its trainer is GPU-only (docs/guide/distributed.md, "t
 
 from __future__ import annotations
 
-import math
 import sys
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,6 @@ import torch.distributed as dist
 
 pytest.importorskip("torchtitan")
 
-from stabkit.sinks import read_jsonl
 
 from . import launch
 
@@ -36,7 +34,6 @@ pytestmark = [
 
 REL = 1e-5
 """Relative tolerance against one process (measured: <= 4.8e-6, logits/mean of ~-7e-3; the rest <= 4e-7)."""
-SPLIT_ROWS = launch.SPLIT_ROWS
 STATS = (
     "act/layers.1.feed_forward/rms",
     "attn/layers.0.attention/max_logit",
@@ -47,13 +44,6 @@ STATS = (
 def torchrun(scenario: str, out: Path, nproc: int = 2, timeout: float = 240.0) -> list[dict[str, Any]]:
     """Run the worker on `nproc` ranks; each rank's JSON result (`launch.torchrun`)."""
     return launch.torchrun(WORKER, scenario, out, nproc, timeout)
-
-
-def off(got: float, want: float, name: str) -> float:
-    """Relative error (0 when both are NaN)."""
-    if math.isnan(want) or math.isnan(got):
-        return 0.0 if math.isnan(want) and math.isnan(got) else math.inf
-    return abs(got - want) / max(abs(want), 1e-12)
 
 
 @pytest.fixture(scope="module")
@@ -67,19 +57,7 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool)
     assert ranks[1]["history"] == ranks[0]["history"], "every rank must get the same reduced values"
     assert [r["mode"] for r in ranks] == ["sharded", "sharded"]
     assert [r["wqkv"] for r in ranks] == [["DTensor", [96, 64]]] * 2  # q/k/v really split over 2 ranks
-    got = {int(s): v for s, v in ranks[0]["history"]}
-    want = {int(s): v for s, v in reference["history"]}
-    assert sorted(got) == sorted(want) == list(range(worker.STEPS))
-    worst: dict[str, float] = {}
-    for step, ref in want.items():
-        assert set(got[step]) == set(ref), (step, set(ref) ^ set(got[step]))
-        for name, value in ref.items():
-            if split and name.endswith(SPLIT_ROWS):
-                continue
-            err = off(got[step][name], value, name)
-            assert err <= REL, (step, name, got[step][name], value)
-            kind = name.split("/")[0] + "/" + name.rsplit("/", 1)[-1]
-            worst[kind] = max(worst.get(kind, 0.0), err)
+    worst = launch.worst_errors(ranks[0]["history"], reference["history"], worker.STEPS, split, lambda n: REL)
     assert ranks[0]["losses"] == pytest.approx(reference["losses"], rel=REL)
     return worst
 
@@ -96,7 +74,4 @@ def test_torchtitan_llama3_tp_forward_statistics_equal_one_process(
         assert name in reference["history"][0][1]
     worst = compare(ranks, reference, split=scenario == "tp_sp")
     assert {"act/rms", "attn/max_logit", "attn/entropy", "logits/logz_mean", "logits/max_abs"} <= set(worst)
-    logdir = tmp_path / scenario / "run"
-    assert len(list(logdir.glob("events.out.tfevents.*"))) == 1
-    logged = [r["step"] for r in read_jsonl(logdir / "stabkit.jsonl") if r["type"] == "metrics"]
-    assert logged == list(range(worker.STEPS))  # rank 0 alone wrote, each step once
+    launch.one_writer(tmp_path / scenario / "run", worker.STEPS)  # rank 0 alone wrote, each step once
