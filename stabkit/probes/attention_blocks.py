@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..stats import norm_f32
+
 if TYPE_CHECKING:
+    from ..attention.call import QKCall
     from .attention_masks import IndexMask
 
 Dims = tuple[int, int, int, int]
@@ -87,6 +90,58 @@ def spans(n: int, size: int) -> list[slice]:
     return [slice(i, min(i + size, n)) for i in range(0, n, max(1, size))]
 
 
+def qk_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """(b, H, l, s) float32 ``q·kᵀ·scale`` of (b, H, l, E) queries and (b, Hkv, s, E) keys (query head
+    h uses kv head h // (H / Hkv); scale None = 1/√E), in its own storage."""
+    b, heads, n_q, dim = q.shape
+    kv = k.shape[1]
+    scale = dim**-0.5 if scale is None else scale
+    # dense float32 operands (counted by `cost_qk`): torch.matmul would copy strided ones itself
+    # (a (B, T, H, E) projection seen as (B, H, T, E)), about twice as slowly on a CPU
+    flat = q.float().mul(scale).reshape(b, kv, heads // kv * n_q, dim)  # (b, hkv, g·l, E), scaled
+    keys = k.float().contiguous()  # (b, hkv, s, E)
+    out = torch.matmul(flat, keys.transpose(-1, -2))  # (b, hkv, g·l, s)
+    return out.view(b, heads, n_q, out.shape[-1])
+
+
+def candidate_reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:
+    """(L,) the last key each query may see under a plain causal mask (top-left, or bottom-right
+    without documents), for ranking max candidates; None when any key may be in reach."""
+    device = call.q.device
+    if call.causal:
+        return torch.arange(n_q, device=device).clamp(max=n_k - 1)
+    pos = call.positions
+    if pos is not None and pos.causal and pos.q_doc is None:
+        return pos.q_pos.clamp(0, n_k - 1)
+    return None
+
+
+def top_candidates(
+    q: torch.Tensor, k: torch.Tensor, reach: torch.Tensor | None, per_row: int
+) -> torch.Tensor:
+    """(b, H, m) the `per_row` queries of each (row, head) of (b, H, L, E) `q` with the largest bound
+    ‖q‖ · (largest norm of a key of (b, Hkv, S, E) `k` in `reach` (`candidate_reach`; None: any))."""
+    n_q, group = q.shape[2], q.shape[1] // k.shape[1]
+    score = norm_f32(q, dim=-1)  # (b, H, L)
+    key_norm = norm_f32(k, dim=-1)  # (b, Hkv, S)
+    if reach is not None:
+        limit = key_norm.cummax(dim=-1).values.index_select(-1, reach)  # (b, Hkv, L)
+    else:
+        limit = key_norm.amax(dim=-1, keepdim=True)  # (b, Hkv, 1)
+    score = score.view(score.shape[0], -1, group, n_q).mul_(limit.unsqueeze(2)).flatten(1, 2)
+    return score.topk(per_row, dim=-1).indices
+
+
+def pick_queries(q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """(b, h, m, E) the queries `idx` (b, h, m) of each (row, head) of (b, h, L, E) `q` (any strides,
+    nothing copied but the picked rows): advanced indexing, ~1.5× faster on a CPU than ``gather``
+    with an index expanded over E."""
+    b, h = q.shape[0], q.shape[1]
+    rows = torch.arange(b, device=q.device).view(b, 1, 1)
+    heads = torch.arange(h, device=q.device).view(1, h, 1)
+    return q[rows, heads, idx]
+
+
 def _rows(t: torch.Tensor, part: slice) -> torch.Tensor:
     """Batch rows `part` of `t` (a size-1 batch dim broadcasts and stays whole)."""
     return t if t.shape[0] == 1 else t[part]
@@ -151,14 +206,7 @@ class QKBlocks:
         group = self.group
         q = _rows(self.q, rs)[:, kv.start * group : kv.stop * group, qs]  # (b, h, l, E)
         k = _rows(self.k, rs)[:, kv, ks]  # (b, hkv, s, E)
-        b, heads, n_q, dim = q.shape
-        scale = dim**-0.5 if self.scale is None else self.scale
-        # dense float32 operands (counted by `cost_qk`): torch.matmul would copy strided ones itself
-        # (a (B, T, H, E) projection seen as (B, H, T, E)), about twice as slowly on a CPU
-        flat = q.float().mul(scale).reshape(b, k.shape[1], group * n_q, dim)  # (b, hkv, g·l, E), scaled
-        keys = k.float().contiguous()  # (b, hkv, s, E)
-        out = torch.matmul(flat, keys.transpose(-1, -2))  # (b, hkv, g·l, s)
-        return out.view(out.shape[0], heads, n_q, out.shape[-1])
+        return qk_logits(q, k, self.scale)
 
     def _query_index(self, rs: slice, hs: slice, qs: slice) -> torch.Tensor:
         return _heads(_rows(self.q_index, rs), hs)[:, :, qs]  # (b|1, h|1, l)

@@ -20,8 +20,7 @@ import math
 import torch
 
 from ..attention.call import QKCall
-from ..stats import norm_f32
-from .attention_blocks import cost_qk, cost_scores
+from .attention_blocks import candidate_reach, cost_qk, cost_scores, pick_queries, qk_logits, top_candidates
 from .attention_stats import CLAMP, HeadStats, Sampling
 
 
@@ -63,7 +62,7 @@ def measure_one_block(call: QKCall, sampling: Sampling, cap: float | None, per_r
     batch, heads, n_q, _ = q.shape
     sample = sampling.sample(batch, n_q, q.device)
     positions = torch.arange(n_q, device=q.device)[sample.queries]  # (l,)
-    logits = _logits(sample.take(q), sample.take(k, queries=False), call.scale)  # (b, H, l, S)
+    logits = qk_logits(sample.take(q), sample.take(k, queries=False), call.scale)  # (b, H, l, S)
     cap = call.softcap or cap
     if call.causal:  # masked by adding 0 / −inf (l, S): ~8× faster on a CPU than a broadcast where
         bias = torch.zeros(positions.shape[0], k.shape[2], device=q.device)
@@ -85,16 +84,6 @@ def measure_one_block(call: QKCall, sampling: Sampling, cap: float | None, per_r
     if per_row:
         stats.max_logit = torch.maximum(stats.max_logit, _candidate_max(call, per_row))
     return stats
-
-
-def _logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """(b, H, l, S) float32 ``q·kᵀ·scale`` (as `attention_blocks.QKBlocks.logits`)."""
-    b, heads, n_q, dim = q.shape
-    kv = k.shape[1]
-    scale = dim**-0.5 if scale is None else scale
-    flat = q.float().mul(scale).reshape(b, kv, heads // kv * n_q, dim)  # (b, Hkv, g·l, E)
-    out = torch.matmul(flat, k.float().contiguous().transpose(-1, -2))  # (b, Hkv, g·l, S)
-    return out.view(b, heads, n_q, out.shape[-1])
 
 
 def _late(q_index: torch.Tensor, n_k: int) -> torch.Tensor:
@@ -127,21 +116,9 @@ def _candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
     """(H,) max |logit| over the `per_row` queries of each (row, head) with the largest ‖q‖·reach
     (`attention_measure.candidate_max` on one block)."""
     q, k = call.q, call.k
-    batch, heads, n_q, _ = q.shape
-    kv, n_k = k.shape[1], k.shape[2]
-    score = norm_f32(q, dim=-1)  # (B, H, L)
-    key_norm = norm_f32(k, dim=-1)  # (B, Hkv, S)
-    if call.causal:
-        limit = key_norm.cummax(dim=-1).values  # (B, Hkv, S)
-        if n_q != n_k:
-            limit = limit.index_select(-1, torch.arange(n_q, device=q.device).clamp(max=n_k - 1))
-    else:
-        limit = key_norm.amax(dim=-1, keepdim=True)  # (B, Hkv, 1)
-    score = score.view(batch, kv, -1, n_q).mul_(limit.unsqueeze(2)).flatten(1, 2)  # (B, H, L)
-    idx = score.topk(per_row, dim=-1).indices  # (B, H, m)
-    rows = torch.arange(batch, device=q.device).view(batch, 1, 1)
-    head = torch.arange(heads, device=q.device).view(1, heads, 1)
-    logits = _logits(q[rows, head, idx], k, call.scale)  # (B, H, m, S)
+    n_q, n_k = q.shape[2], k.shape[2]
+    idx = top_candidates(q, k, candidate_reach(call, n_q, n_k), per_row)  # (B, H, m)
+    logits = qk_logits(pick_queries(q, idx), k, call.scale)  # (B, H, m, S)
     if call.causal:
         torch.where(_late(idx, n_k), logits.new_full((), 0.0), logits, out=logits)
     top = torch.maximum(logits.amax(dim=(0, 2, 3)), -logits.amin(dim=(0, 2, 3)))

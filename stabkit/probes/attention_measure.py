@@ -31,9 +31,19 @@ import math
 import torch
 
 from ..attention.call import LogitsCall, QKCall
-from ..stats import norm_f32
 from . import attention_fast
-from .attention_blocks import QKBlocks, cost_logits, cost_qk, cost_scores, dims_of, plan, spans
+from .attention_blocks import (
+    QKBlocks,
+    candidate_reach,
+    cost_logits,
+    cost_qk,
+    cost_scores,
+    dims_of,
+    pick_queries,
+    plan,
+    spans,
+    top_candidates,
+)
 from .attention_masks import IndexMask
 from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input
 
@@ -162,23 +172,14 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
         lambda b, kv, _l, _s: cost_scores(b, kv, group=group, n_q=n_q, n_k=n_k, per_row=per_row, dim=dim),
         budget,
     )
-    reach = _reach(call, n_q, n_k)  # (L,) last key each query may see, or None (any key)
+    reach = candidate_reach(call, n_q, n_k)  # (L,) last key each query may see, or None (any key)
     index_mask = IndexMask.of(call)
     for rs in spans(batch, sizes[0]):
         for kv in spans(kv_heads, sizes[1]):
             hs = slice(kv.start * group, kv.stop * group)
             q_part, k_part = q[rs, hs], k[rs, kv]  # (b, h, L, E), (b, hkv, S, E) views
-            score = norm_f32(q_part, dim=-1)  # (b, h, L)
-            key_norm = norm_f32(k_part, dim=-1)  # (b, hkv, S)
-            if reach is not None:
-                limit = key_norm.cummax(dim=-1).values.index_select(-1, reach)  # (b, hkv, L)
-            else:
-                limit = key_norm.amax(dim=-1, keepdim=True)  # (b, hkv, 1)
-            score = score.view(score.shape[0], -1, group, n_q).mul_(limit.unsqueeze(2)).flatten(1, 2)
-            del limit, key_norm
-            idx = score.topk(per_row, dim=-1).indices  # (b, h, m)
-            del score
-            chosen = _pick_queries(q_part, idx)  # (b, h, m, E)
+            idx = top_candidates(q_part, k_part, reach, per_row)  # (b, h, m)
+            chosen = pick_queries(q_part, idx)  # (b, h, m, E)
             allowed = None
             if call.allowed is not None:
                 allowed = call.allowed[rs if call.allowed.shape[0] > 1 else slice(None)]
@@ -199,28 +200,6 @@ def candidate_max(call: QKCall, per_row: int, budget: int) -> torch.Tensor:
             top = _sweep(blocks, None, budget, entropy=False).max_logit
             out[hs] = torch.maximum(out[hs], top)
     return out
-
-
-def _pick_queries(q: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-    """(b, h, m, E) the queries `idx` (b, h, m) of each (row, head) of (b, h, L, E) `q` (any strides,
-    nothing copied but the picked rows): advanced indexing, ~1.5× faster on a CPU than ``gather``
-    with an index expanded over E."""
-    b, h = q.shape[0], q.shape[1]
-    rows = torch.arange(b, device=q.device).view(b, 1, 1)
-    heads = torch.arange(h, device=q.device).view(1, h, 1)
-    return q[rows, heads, idx]
-
-
-def _reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:
-    """(L,) the last key each query may see under a plain causal mask (top-left, or bottom-right
-    without documents), for ranking max candidates; None when any key may be in reach."""
-    device = call.q.device
-    if call.causal:
-        return torch.arange(n_q, device=device).clamp(max=n_k - 1)
-    pos = call.positions
-    if pos is not None and pos.causal and pos.q_doc is None:
-        return pos.q_pos.clamp(0, n_k - 1)
-    return None
 
 
 def _measure_logits(
