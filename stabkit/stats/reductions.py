@@ -108,9 +108,10 @@ def logit_stats(
     float32 on device. The mean logit is over the vocabulary and every position: the quantity
     Wortsman et al. 2023 (§3.2, Fig. 4) plot for the output-logit divergence.
 
-    log Z = logsumexp is computed over at most LOGZ_CHUNKS row chunks of at least LOGZ_CHUNK_BYTES,
-    so its temporaries stay a small fraction of the logits (or that many bytes) (the probe runs at the end of the forward pass, where memory peaks);
-    the mean logit is summed from the same float32 chunks.
+    log Z = logsumexp is computed over at most LOGZ_CHUNKS row chunks of at least LOGZ_CHUNK_BYTES
+    (`logz_chunk_rows`), so its temporaries stay within the larger of a small fraction of the logits
+    and that many bytes (the probe runs at the end of the forward pass, where memory peaks); the
+    mean logit is summed from the same float32 chunks.
     """
     flat = logits.detach().reshape(-1, logits.shape[-1])  # (N, V)
     lo, hi = torch.aminmax(flat)
