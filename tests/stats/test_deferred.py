@@ -17,6 +17,7 @@ import torch
 from zoo import batch, lm_loss, reference_gpt
 
 import stabkit
+from stabkit.probes.base import ProbeError
 from stabkit.stats import Recorder, outlier_stats, tensor_stats
 from stabkit.stats.outliers import finish_outliers, reduce_outliers
 from stabkit.stats.tensor_batch import by_device, finish_tensors, reduce_tensor
@@ -117,3 +118,47 @@ def test_deferred_activation_statistics_over_two_micro_batches_match_a_hand_comp
     assert mon.metrics["act/blocks.0/rms"] == pytest.approx(math.sqrt(float(rms_each.mean())), rel=1e-5)
     assert mon.metrics["act/blocks.0/absmax"] == pytest.approx(float(both.abs().max()), rel=1e-6)
     assert mon.metrics["act/blocks.0/nonfinite"] == 0
+
+
+@pytest.mark.parametrize(
+    "target,probe,family",
+    [
+        ("stabkit.probes.activations.finish_tensors", "act", "act/blocks.0/rms"),
+        ("stabkit.probes.outliers.finish_outliers", "outliers", "act/blocks.0/kurtosis"),
+        ("stabkit.probes.attention.AttentionProbe._record", "attn", "attn/blocks.0.attn/max_logit"),
+    ],
+)
+def test_a_deferred_finisher_that_raises_warns_once_and_training_goes_on(
+    target: str, probe: str, family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("finisher broke")
+
+    monkeypatch.setattr(target, broken)
+    torch.manual_seed(0)
+    model = reference_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    cfg = stabkit.MonitorConfig(every=1, console=False, audit=False, tensorboard=False, jsonl=False)
+    mon = stabkit.attach(model, opt, config=cfg)
+    with pytest.warns(RuntimeWarning, match=f"probe '{probe}' failed at _finish") as caught:
+        for step in range(3):
+            x, y = batch(step)
+            loss = lm_loss(model(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss)
+    mon.flush()
+    mon.detach()
+    assert sum("failed at _finish" in str(w.message) for w in caught) == 1
+    assert family not in mon.metrics and "grad/global_norm" in mon.metrics and len(mon.history) == 3
+    model = reference_gpt()
+    strict = stabkit.MonitorConfig(
+        every=1, console=False, audit=False, tensorboard=False, jsonl=False, strict=True
+    )
+    mon = stabkit.attach(model, None, config=strict)
+    x, y = batch(0)
+    lm_loss(model(x), y).backward()
+    with pytest.raises(ProbeError, match="finisher broke"):  # strict: the user chose to stop
+        mon.step()
+    mon.detach()
