@@ -26,7 +26,7 @@ actions are `stabkit.actions.ActionRunner`. `remove()` takes every hook away (sa
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -171,7 +171,7 @@ class Decisions:
             for part in self.devices.values():
                 part.pre_update_done()
 
-    def _before_update(self, committed: dict[str, torch.Tensor] | None) -> None:
+    def _before_update(self, committed: Mapping[str, torch.Tensor] | None) -> None:
         self._pre_done = True
         step = self.wiring.step()
         value = committed.get if committed is not None else self.recorder.current
@@ -209,7 +209,7 @@ class Decisions:
         for part in self.devices.values():
             part.after_update(step)
 
-    def on_step(self, step: int, committed: dict[str, torch.Tensor]) -> None:
+    def on_step(self, step: int, committed: Mapping[str, torch.Tensor]) -> None:
         """At `Monitor.step`, after the step's statistics are committed: decisions after the update,
         then release what the step kept."""
         try:
@@ -222,7 +222,7 @@ class Decisions:
             for part in self.devices.values():
                 part.end_step()
 
-    def _after_update(self, step: int, committed: dict[str, torch.Tensor]) -> None:
+    def _after_update(self, step: int, committed: Mapping[str, torch.Tensor]) -> None:
         checks = [(part, name, t) for part in self.devices.values() for name, t in part.step_flags(committed)]
         later: list[str] = []
         if self.per_step:

@@ -33,7 +33,7 @@ stop that pre-hook's other decisions. Declarations only: importing this module l
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -106,7 +106,7 @@ class DeviceChecks:
     def after_update(self, step: int) -> None:
         """Optimizer step post-hook: device work only (no host read)."""
 
-    def step_flags(self, committed: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def step_flags(self, committed: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """At `Monitor.step`: (name, 0-d device flag) pairs to copy with the step's values."""
         return []
 

@@ -40,6 +40,7 @@ from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
+from .rolling import median_sorted
 
 WORTSMAN_DIVERGED = 1e4
 """Wortsman et al. 2023: every run whose max attention logit exceeded 1e4 diverged."""
@@ -182,13 +183,17 @@ class DriftDetector(Detector):
 
     def _level(self, rule: DriftRule, s: DriftSeries) -> float:
         if rule.relative_level:
-            return rule.level * float(np.median(s.first))
+            return rule.level * median_sorted(sorted(s.first))  # numpy's median, without its overhead
         return rule.level
 
     def _judge(self, name: str, rule: DriftRule, s: DriftSeries) -> Event | None:
+        level = self._level(rule, s)
+        last = s.window[-1][1]
+        below = last < level if rule.space == "log" else abs(last - (rule.reference or 0.0)) < level
+        if below:  # the usual answer, before any array is made
+            return None
         steps = np.array([t for t, _ in s.window], dtype=np.float64)
         raw = np.array([v for _, v in s.window], dtype=np.float64)
-        level = self._level(rule, s)
         if rule.space == "log":
             if raw[-1] < level or (raw <= 0).any():  # cheap pre-check before the O(n²) fit
                 return None

@@ -31,6 +31,7 @@ class Judge:
             cls.kind: cls(ctx) for cls in DETECTORS.classes() if ctx.config.runs(cls.kind)
         }
         self._reported: dict[int, set[str]] = {}
+        self._wanted: dict[str, tuple[tuple[str, ...], list[str]]] = {}
 
     def __getitem__(self, kind: str) -> Detector:
         return self.detectors[kind]
@@ -63,15 +64,26 @@ class Judge:
         """Events (advised) and extra series of `step` from the detectors of `kinds` (all when None)."""
         events: list[Event] = []
         extra: dict[str, float] = {}
+        names = tuple(values)
         for kind in self.kinds() if kinds is None else kinds:
             det = self.detectors[kind]
-            mine = {n: v for n, v in values.items() if det.wants(n)}
+            mine = {n: values[n] for n in self._wanted_by(det, names)}
             if not mine:
                 continue
             seen = det.observe(step, mine)
             extra.update(seen.series)
             events += [self.advise(e) for e in seen.events if not self.redundant(e, det)]
         return events, extra
+
+    def _wanted_by(self, det: Detector, names: tuple[str, ...]) -> list[str]:
+        """The `names` `det` reads, remembered per detector for the last set of names (a run's
+        rows carry the same names step after step: ~300 in full mode, judged at every step)."""
+        cached = self._wanted.get(det.kind)
+        if cached is not None and cached[0] == names:
+            return cached[1]
+        mine = [n for n in names if det.wants(n)]
+        self._wanted[det.kind] = (names, mine)
+        return mine
 
     def rows(
         self, rows: list[tuple[int, dict[str, float]]], kinds: Iterable[str] | None = None

@@ -61,8 +61,8 @@ class RollingWindow:
         """Median and robust σ (1.4826 × median absolute deviation) of the window."""
         if not self.values or any(math.isnan(v) for v in self.values):  # numpy's answer for NaN
             return math.nan, math.nan
-        med = _median(sorted(self.values))
-        return med, MAD_TO_SIGMA * _median(sorted(abs(v - med) for v in self.values))
+        med = median_sorted(sorted(self.values))
+        return med, MAD_TO_SIGMA * median_sorted(sorted(abs(v - med) for v in self.values))
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready state."""
@@ -80,7 +80,7 @@ class RollingWindow:
         self._pushes = int(state["pushes"])
 
 
-def _median(ordered: list[float]) -> float:
+def median_sorted(ordered: list[float]) -> float:
     """Median of a sorted list, as ``numpy.median`` gives it (the mean of the two middle values of an
     even count). Sorting ≤ a few hundred floats in Python is ~3× faster than numpy's median there,
     which the spike detectors ask for every watched series at every consumed step."""

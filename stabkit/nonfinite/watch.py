@@ -19,6 +19,7 @@ It returns events; the orchestration (`stabkit.decisions`) advises them and runs
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -164,7 +165,7 @@ class NonfiniteWatch(DeviceChecks):
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
 
-    def step_flags(self, committed: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    def step_flags(self, committed: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """At `Monitor.step`, decided every step: (name, device flag) pairs to copy to the host with
         the step's values (the update check, the loss)."""
         checks: list[tuple[str, torch.Tensor]] = []

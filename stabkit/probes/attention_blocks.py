@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..stats import norm_f32
+from ..stats.reductions import row_norms_f32
 
 if TYPE_CHECKING:
     from ..attention.call import QKCall
@@ -122,8 +122,8 @@ def top_candidates(
     """(b, H, m) the `per_row` queries of each (row, head) of (b, H, L, E) `q` with the largest bound
     ‖q‖ · (largest norm of a key of (b, Hkv, S, E) `k` in `reach` (`candidate_reach`; None: any))."""
     n_q, group = q.shape[2], q.shape[1] // k.shape[1]
-    score = norm_f32(q, dim=-1)  # (b, H, L)
-    key_norm = norm_f32(k, dim=-1)  # (b, Hkv, S)
+    score = row_norms_f32(q).contiguous()  # (b, H, L)
+    key_norm = row_norms_f32(k)  # (b, Hkv, S)
     if reach is not None:
         limit = key_norm.cummax(dim=-1).values.index_select(-1, reach)  # (b, Hkv, L)
     else:

@@ -115,7 +115,7 @@ def _entropy(
 def _candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
     """(H,) max |logit| over the `per_row` queries of each (row, head) with the largest ‖q‖·reach
     (`attention_measure.candidate_max` on one block)."""
-    q, k = call.q, call.k
+    q, k = call.q, call.k.float().contiguous()  # the keys' one copy: their norms and the logits read it
     n_q, n_k = q.shape[2], k.shape[2]
     idx = top_candidates(q, k, candidate_reach(call, n_q, n_k), per_row)  # (B, H, m)
     logits = qk_logits(pick_queries(q, idx), k, call.scale)  # (B, H, m, S)

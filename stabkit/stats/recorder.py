@@ -26,7 +26,7 @@ monitoring, the activation probe's per-module finishing cost ~4 % of a step; bat
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -48,6 +48,23 @@ class _Slot:
     count: int | torch.Tensor
     """Values combined so far (a 0-d device tensor for values that came in a pack)."""
     combine: Combine
+
+
+@dataclass
+class _Vector:
+    """Statistics recorded at once (`Recorder.add_vector`) and kept as one vector through the step
+    while no other record of any of their names comes in (then they become slots: `_explode`)."""
+
+    names: tuple[str, ...]
+    stored: torch.Tensor
+    """(k,) float32 in slot form (squares for 'rms'), each standing for one measurement."""
+    combine: Combine
+
+    def finished(self) -> torch.Tensor:
+        """(k,) the values `_finish` gives each slot of one measurement (a division by 1 is exact)."""
+        if self.combine == "rms":
+            return torch.sqrt(self.stored)
+        return self.stored
 
 
 @dataclass
@@ -75,6 +92,10 @@ class Recorder:
         context): packs recorded with a cadence are dropped on steps it does not sample."""
         self._pending: list[tuple[int, list[tuple[tuple[str, ...], torch.Tensor]]]] = []
         self._vectors: list[tuple[tuple[str, ...], torch.Tensor, Combine, Reduction]] = []
+        self._whole: dict[int, _Vector] = {}
+        """Vectors of the step kept whole (one op finishes them, one `cat` commits them), by id."""
+        self._in_whole: dict[str, int] = {}
+        """Name -> the id of the whole vector that holds it."""
         self._deferred: dict[Callable[[], None], None] = {}
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.reductions: dict[str, Reduction] = {}
@@ -109,6 +130,8 @@ class Recorder:
         """Combine a value in slot form (a square for 'rms') standing for `count` measurements into
         the slot of `name`."""
         self.reductions.setdefault(name, reduction)
+        if name in self._in_whole:
+            self._explode(self._in_whole[name])
         slot = self._current.get(name)
         if slot is None or combine == "last":
             self._current[name] = _Slot(stored, count, combine)
@@ -164,8 +187,21 @@ class Recorder:
         vectors, self._vectors = self._vectors, []
         for names, values, combine, reduction in vectors:
             kept = (values * values if combine == "rms" else values).float()
-            for name, value in zip(names, kept.unbind(), strict=True):
-                self._merge(name, value, 1, combine, reduction)
+            repeated = len(set(names)) < len(names)  # micro-batches finished together
+            if repeated or (
+                combine != "last" and any(n in self._current or n in self._in_whole for n in names)
+            ):
+                for name, value in zip(names, kept.unbind(), strict=True):  # merge with what came before
+                    self._merge(name, value, 1, combine, reduction)
+                continue
+            for name in names:
+                self.reductions.setdefault(name, reduction)
+                if name in self._in_whole:  # 'last': the newer value replaces the older
+                    self._explode(self._in_whole[name])
+                self._current.pop(name, None)
+            vector = _Vector(names, kept, combine)
+            self._whole[id(vector)] = vector
+            self._in_whole.update(dict.fromkeys(names, id(vector)))
         packs, self._packs = self._packs, {}
         for names, pack in packs.items():
             if pack.every is not None and self.gate is not None and not self.gate(pack.every):
@@ -176,36 +212,54 @@ class Recorder:
             ):
                 self._merge(name, pack.values[i], count, combine, reduction)
 
+    def _explode(self, key: int) -> None:
+        """A whole vector's names are recorded again: its values become ordinary slots."""
+        vector = self._whole.pop(key)
+        for name, value in zip(vector.names, vector.stored.unbind(), strict=True):
+            del self._in_whole[name]
+            self._current[name] = _Slot(value, 1, vector.combine)
+
     def current(self, name: str) -> torch.Tensor | None:
         """The current step's combined value of `name` (device tensor), if recorded."""
         self._unpack()
+        key = self._in_whole.get(name)
+        if key is not None:
+            vector = self._whole[key]
+            return vector.finished()[vector.names.index(name)]
         slot = self._current.get(name)
         return None if slot is None else _finish(slot)
 
     def current_names(self) -> list[str]:
-        """Names recorded so far in the current step, in the order first recorded (traced packs after
-        the eager records)."""
+        """Names recorded so far in the current step: the single records in the order first recorded
+        (traced packs after the eager records), then those of the vectors (`add_vector`)."""
         self._unpack()
-        return list(self._current)
+        return [*self._current, *self._in_whole]
 
-    def commit(self, step: int) -> dict[str, torch.Tensor]:
+    def commit(self, step: int) -> StepValues:
         """Close the current step: its statistics join the pending interval, packed into one 1-d
         tensor per device (one object per step instead of hundreds of 0-d tensors, which cost memory
-        between log intervals). Returns the step's values as 0-d device tensors (for the detectors)."""
+        between log intervals). Returns the step's values as 0-d device tensors (for the detectors).
+        Vectors kept whole are finished and packed as vectors: a few ops, not a few per name."""
         self._unpack()
         values = {name: _finish(slot) for name, slot in self._current.items()}
-        self._current = {}
+        vectors = [(v.names, v.finished()) for v in self._whole.values()]
+        self._current, self._whole, self._in_whole = {}, {}, {}
+        parts: dict[torch.device, tuple[list[str], list[torch.Tensor]]] = {}
         if values:
-            by_device: dict[torch.device, list[str]] = {}
             for name, t in values.items():
-                by_device.setdefault(t.device, []).append(name)
+                parts.setdefault(t.device, ([], []))[0].append(name)
+        for _, finished in vectors:
+            parts.setdefault(finished.device, ([], []))[1].append(finished)
+        if parts:
             groups = []
-            for names in by_device.values():
+            for device, (scalars, whole) in parts.items():
+                names = [*scalars, *(n for ns, f in vectors if f.device == device for n in ns)]
                 key = tuple(names)
                 key = self._names.setdefault(key, key)  # steps with the same metrics share one tuple
-                groups.append((key, torch.stack([values[n] for n in key])))
+                packed = [torch.stack([values[n] for n in scalars])] if scalars else []
+                groups.append((key, packed[0] if not whole else torch.cat([*packed, *whole])))
             self._pending.append((step, groups))
-        return values
+        return StepValues(values, vectors)
 
     @property
     def pending_steps(self) -> int:
@@ -242,6 +296,41 @@ class Recorder:
         return out
 
 
+class StepValues(Mapping[str, torch.Tensor]):
+    """A committed step's values by name (`Recorder.commit`): 0-d device tensors, those of vectors
+    indexed out of them only when asked for (the detectors read a few names per step)."""
+
+    def __init__(self, scalars: dict[str, torch.Tensor], vectors: list[tuple[tuple[str, ...], torch.Tensor]]):
+        self._scalars = scalars
+        self._vectors = vectors
+        self._where: dict[str, tuple[int, int]] | None = None
+
+    def _index(self) -> dict[str, tuple[int, int]]:
+        if self._where is None:
+            self._where = {
+                n: (v, i) for v, (names, _) in enumerate(self._vectors) for i, n in enumerate(names)
+            }
+        return self._where
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self._scalars.get(name)
+        if value is not None:
+            return value
+        v, i = self._index()[name]
+        return self._vectors[v][1][i]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._scalars or name in self._index()
+
+    def __iter__(self) -> Iterator[str]:
+        yield from self._scalars
+        for names, _ in self._vectors:
+            yield from names
+
+    def __len__(self) -> int:
+        return len(self._scalars) + sum(len(names) for names, _ in self._vectors)
+
+
 def merge_packed(old: torch.Tensor, new: torch.Tensor, combines: tuple[Combine, ...]) -> torch.Tensor:
     """Two packs of the same statistics (`Recorder.add_packed`) as one: max/min where they combine so,
     the newer for 'last', else (sum, mean, rms as squares, and the count) the sum. Traced: one kernel."""
@@ -262,8 +351,11 @@ def to_host(values: torch.Tensor) -> list[float]:
 
 
 def _finish(slot: _Slot) -> torch.Tensor:
+    """The slot's value: a mean, the root of a mean square, or as kept (a division by a count of 1,
+    exact, is skipped)."""
+    one = isinstance(slot.count, int) and slot.count == 1
     if slot.combine == "mean":
-        return slot.value / slot.count
+        return slot.value if one else slot.value / slot.count
     if slot.combine == "rms":
-        return torch.sqrt(slot.value / slot.count)
+        return torch.sqrt(slot.value if one else slot.value / slot.count)
     return slot.value

