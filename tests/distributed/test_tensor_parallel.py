@@ -47,11 +47,6 @@ def single(scenario: str, out: Path) -> dict[str, Any]:
     return worker.run(scenario, str(out))
 
 
-def floor(name: str) -> float:
-    """The relative error's floor: kurtosis near 0 is compared against 0.1."""
-    return 1e-1 if name.endswith("/kurtosis") else 1e-12
-
-
 def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool) -> dict[str, float]:
     """Every statistic of rank 0 against one process; the largest relative error per statistic kind."""
     for r in ranks[1:]:
@@ -59,7 +54,7 @@ def compare(ranks: list[dict[str, Any]], reference: dict[str, Any], split: bool)
         assert r["events"] == ranks[0]["events"], "every rank must report the same events"
     assert [r["mode"] for r in ranks] == ["sharded"] * len(ranks)
     worst = launch.worst_errors(
-        ranks[0]["history"], reference["history"], worker.STEPS, split, lambda n: LOOSE.get(n, REL), floor
+        ranks[0]["history"], reference["history"], worker.STEPS, split, lambda n: LOOSE.get(n, REL)
     )
     mean_loss = [sum(step) / len(ranks) for step in zip(*(r["losses"] for r in ranks), strict=True)]
     assert mean_loss == pytest.approx(reference["losses"], rel=REL, nan_ok=True)  # equal data shares
