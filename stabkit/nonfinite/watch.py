@@ -27,6 +27,7 @@ import torch
 from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
 from ..distributed import first_across_ranks, process_group_active
 from ..events import Event
+from ..stats import after_update as update_notes
 from ..stats.finite import nonfinite_flag
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
 from .localize import FaultSite, finding_event, locate_update_fault, replay
@@ -160,8 +161,15 @@ class NonfiniteWatch(DeviceChecks):
         if not every or step % every:
             return
         params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
-        flag = nonfinite_flag([*params, *optimizer_tensors(self.optimizer)])
-        if flag is not None:
+        tensors = [*params, *optimizer_tensors(self.optimizer)]
+        note = update_notes.take(self.optimizer, step)  # what the update-norm pass read already
+        if note is not None:
+            tensors = [t for t in tensors if id(t) not in note.tensors]
+        flags = [
+            f for f in (note.flag if note is not None else None, nonfinite_flag(tensors)) if f is not None
+        ]
+        if flags:
+            flag = torch.stack([f.to(flags[0].device) for f in flags]).any()
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
 

@@ -34,7 +34,9 @@ import torch
 from torch import nn
 
 from ..distributed import SINGLE, DistContext, like_param, local
+from ..stats import after_update as update_notes
 from ..stats import foreach_norm_f32, l2_of_norms
+from ..stats.after_update import FiniteSeen
 from .base import Probe, ProbeContext, guarded
 from .unit_norms import UnitNorms
 from .updates import closed_form_supported, update_norms
@@ -224,7 +226,9 @@ class GradProbe(Probe):
         current = [self.params[i] for i in idx]
         if self._snapshot is None:
             assert ctx.optimizer is not None
-            deltas = update_norms(ctx.optimizer, current)
+            seen = FiniteSeen()
+            deltas = update_norms(ctx.optimizer, current, seen)
+            update_notes.leave(ctx.optimizer, ctx.step(), seen)  # the non-finite check reads the rest
         else:
             snap, self._snapshot = self._snapshot, None
             torch._foreach_sub_(snap, [local(p.detach()) for p in current])  # snap := θ_old − θ_new

@@ -19,6 +19,7 @@ import torch
 
 from ..distributed import like_param, local
 from ..stats import foreach_norm_f32
+from ..stats.after_update import FiniteSeen, nonfinite_of
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -35,11 +36,16 @@ def closed_form_supported(optimizer: Any) -> bool:
     return all(not g.get("differentiable", False) for g in optimizer.param_groups)
 
 
-def update_norms(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params."""
+def update_norms(
+    optimizer: Any, params: Sequence[torch.Tensor], seen: FiniteSeen | None = None
+) -> list[torch.Tensor]:
+    """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params.
+    `seen`: filled with the parameters and state tensors the foreach path read, and whether one of
+    them holds NaN/±Inf (`stabkit.stats.after_update`)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: list[torch.Tensor | None] = [None] * len(params)
     batches: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, dict]]] = {}
+    originals: dict[int, tuple[torch.Tensor, dict]] = {}
     for i, p in enumerate(params):
         owner = optimizer.owner(p) if hasattr(optimizer, "owner") else optimizer
         group = group_of.get(id(p))
@@ -49,6 +55,7 @@ def update_norms(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.T
             continue
         # FSDP2: this rank's shard of the parameter, its gradient and its state (DTensor.to_local())
         grad = local(like_param(p.grad, p))  # tensor parallel: the gradient in the parameter's layout
+        originals[i] = (p, state)
         state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
         p = local(p)
         if isinstance(owner, torch.optim.SGD):
@@ -66,10 +73,16 @@ def update_norms(optimizer: Any, params: Sequence[torch.Tensor]) -> list[torch.T
         group = group_of[id(params[items[0][0]])]
         for part in _batches(items):
             norms = _adam_batch_norms(
-                [p for _, p, _ in part], [s for _, _, s in part], group, step, decoupled
+                [p for _, p, _ in part], [s for _, _, s in part], group, step, decoupled, seen
             )
             for (i, _, _), n in zip(part, norms, strict=True):
                 out[i] = n
+            if seen is not None:
+                for i, _, _ in part:
+                    p, state = originals[i]
+                    seen.tensors.update(id(state[key]) for key in read_state(group))
+                    if _shrink(group, decoupled):  # θ_new is read too
+                        seen.tensors.add(id(p))
     return [n for n in out if n is not None]
 
 
@@ -95,34 +108,57 @@ def _batches(items: list[tuple[int, torch.Tensor, dict]]) -> list[list[tuple[int
     return out
 
 
+def _shrink(group: dict, decoupled: bool) -> float:
+    """a = lr·wd of decoupled weight decay (θ_new = (1 − a)·θ_old − u), 0 without it."""
+    return float(group["lr"]) * group["weight_decay"] if decoupled else 0.0
+
+
+def read_state(group: dict) -> tuple[str, str]:
+    """The state entries `_adam_batch_norms` reads: the first moment and the second (or its max)."""
+    return "exp_avg", "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+
+
 def _adam_batch_norms(
-    params: list[torch.Tensor], states: list[dict], group: dict, step: float, decoupled: bool
+    params: list[torch.Tensor],
+    states: list[dict],
+    group: dict,
+    step: float,
+    decoupled: bool,
+    seen: FiniteSeen | None = None,
 ) -> list[torch.Tensor]:
     """`_adam_delta`'s ‖Δθ‖ for parameters of one group that share a host step count, with foreach
-    ops: u = lr/bc1 · m / (√v/√bc2 + ε), ‖Δθ‖ = ‖a·θ_new + u‖ / (1 − a) with a = lr·wd (AdamW)."""
+    ops: u = lr/bc1 · m / (√v/√bc2 + ε), ‖Δθ‖ = ‖a·θ_new + u‖ / (1 − a) with a = lr·wd (AdamW).
+    `seen`: gets a flag for NaN/±Inf in m, v (and θ when a > 0): u's norms are non-finite when m, v or
+    θ is, except v = +Inf (u = 0 there), which the norms of √v + ε show."""
     beta1, beta2 = group["betas"]
     lr, eps = float(group["lr"]), group["eps"]
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
-    second = "max_exp_avg_sq" if group.get("amsgrad") else "exp_avg_sq"
+    first, second = read_state(group)
     # m / (√v/√bc2 + ε) = √bc2 · m / (√v + ε·√bc2): bc2 folds into the scalars, four passes in all
     root = bc2**0.5
     denom = list(torch._foreach_sqrt([s[second].float() for s in states]))  # √v + ε·√bc2
     torch._foreach_add_(denom, eps * root)
+    if seen is not None:  # a pass over what was just written: in cache
+        seen.flags.append(nonfinite_of(foreach_norm_f32(denom)))
     scale = lr * root / bc1
-    moments = [s["exp_avg"].float() for s in states]
-    shrink = lr * group["weight_decay"] if decoupled else 0.0
+    moments = [s[first].float() for s in states]
+    shrink = _shrink(group, decoupled)
     if shrink:  # a·θ_new + u
         update = list(torch._foreach_mul([p.detach().float() for p in params], shrink))
         torch._foreach_addcdiv_(update, moments, denom, value=scale)
         del denom
         norms = foreach_norm_f32(update)
         del update
+        if seen is not None:
+            seen.flags.append(nonfinite_of(norms))
         torch._foreach_div_(norms, 1 - shrink)
         return norms
     ratio = list(torch._foreach_div(moments, denom))  # u / scale
     del denom
     norms = foreach_norm_f32(ratio)
     del ratio
+    if seen is not None:
+        seen.flags.append(nonfinite_of(norms))
     torch._foreach_mul_(norms, scale)
     return norms
 
@@ -144,7 +180,7 @@ def _adam_delta(p: torch.Tensor, group: dict, state: dict, decoupled: bool) -> t
     u = (m.float() * (lr / bc1)) / (v.float().sqrt() / bc2.sqrt() + eps)
     # with maximize=True torch negates the gradient before the moments, so m already carries the sign
     theta = p.detach().float()
-    shrink = lr * group["weight_decay"] if decoupled else 0.0
+    shrink = _shrink(group, decoupled)
     # θ_old = (θ_new + u) / (1 − a)  ⇒  Δ = θ_new − θ_old = (−a·θ_new − u) / (1 − a)
     return (-shrink * theta - u) / (1 - shrink)
 
