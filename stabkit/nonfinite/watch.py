@@ -28,7 +28,7 @@ from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
 from ..distributed import first_across_ranks, process_group_active
 from ..events import Event
 from ..stats import after_update as update_notes
-from ..stats.finite import nonfinite_flag
+from ..stats.finite import any_flag, nonfinite_flag
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
 from .localize import FaultSite, finding_event, locate_update_fault, replay
 from .options import NonfiniteOptions
@@ -124,10 +124,7 @@ class NonfiniteWatch(DeviceChecks):
             flags.append(self.guard.output_bad)
         if origin is not None:
             flags.append(origin[0])
-        if not flags:
-            return None
-        device = flags[0].device
-        return torch.stack([f.to(device) for f in flags]).any()
+        return any_flag(flags)
 
     def locate(self, step: int) -> Event:
         """On a step decided non-finite before the update: the event, with the producer when found."""
@@ -162,14 +159,14 @@ class NonfiniteWatch(DeviceChecks):
             return
         params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
         tensors = [*params, *optimizer_tensors(self.optimizer)]
+        flags = []
         note = update_notes.take(self.optimizer, step)  # what the update-norm pass read already
         if note is not None:
             tensors = [t for t in tensors if id(t) not in note.tensors]
-        flags = [
-            f for f in (note.flag if note is not None else None, nonfinite_flag(tensors)) if f is not None
-        ]
-        if flags:
-            flag = torch.stack([f.to(flags[0].device) for f in flags]).any()
+            flags.append(note.flag)
+        rest = nonfinite_flag(tensors)
+        flag = any_flag(flags if rest is None else [*flags, rest])
+        if flag is not None:
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
 

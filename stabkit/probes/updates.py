@@ -19,7 +19,8 @@ import torch
 
 from ..distributed import like_param, local
 from ..stats import foreach_norm_f32
-from ..stats.after_update import FiniteSeen, nonfinite_of
+from ..stats.after_update import FiniteSeen
+from ..stats.finite import any_nonfinite
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -172,7 +173,7 @@ def _adam_batch_norms(
         torch.sqrt(s[second].float(), out=d)  # computed in float32 (a no-op cast for float32 state)
     torch._foreach_add_(denom, eps * root)  # √v + ε·√bc2
     if seen is not None:  # a pass over what was just written: in cache
-        seen.flags.append(nonfinite_of(foreach_norm_f32(denom)))
+        seen.flags.append(any_nonfinite(foreach_norm_f32(denom)))
     scale = lr * root / bc1
     moments = [s[first].float() for s in states]
     shrink = _shrink(group, decoupled)
@@ -182,14 +183,14 @@ def _adam_batch_norms(
         torch._foreach_addcdiv_(update, moments, denom, value=scale)
         norms = foreach_norm_f32(update)
         if seen is not None:
-            seen.flags.append(nonfinite_of(norms))
+            seen.flags.append(any_nonfinite(norms))
         torch._foreach_div_(norms, 1 - shrink)
         return norms
     for u, m, d in zip(update, moments, denom, strict=True):
         torch.div(m, d, out=u)  # u / scale
     norms = foreach_norm_f32(update)
     if seen is not None:
-        seen.flags.append(nonfinite_of(norms))
+        seen.flags.append(any_nonfinite(norms))
     torch._foreach_mul_(norms, scale)
     return norms
 

@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+from .finite import any_flag
+
 
 @dataclass
 class FiniteSeen:
@@ -28,13 +30,6 @@ class FiniteSeen:
     """``id`` of each parameter and optimizer-state tensor read (the optimizer's own objects)."""
     flags: list[torch.Tensor] = field(default_factory=list)
     """0-d bool device tensors: some tensor read holds NaN/±Inf."""
-
-    def flag(self) -> torch.Tensor | None:
-        """One 0-d bool (on the first flag's device), None when nothing was read."""
-        if not self.flags:
-            return None
-        first = self.flags[0].device
-        return torch.stack([f.to(first) for f in self.flags]).any()
 
 
 @dataclass(frozen=True)
@@ -49,7 +44,7 @@ _NOTES: weakref.WeakKeyDictionary[Any, AfterUpdateNote] = weakref.WeakKeyDiction
 
 def leave(optimizer: Any, step: int, seen: FiniteSeen) -> None:
     """The update-norm pass of `step` read `seen` (optimizer step post-hook, before the check)."""
-    flag = seen.flag()
+    flag = any_flag(seen.flags)
     if flag is None:
         _NOTES.pop(optimizer, None)
         return
@@ -60,8 +55,3 @@ def take(optimizer: Any, step: int) -> AfterUpdateNote | None:
     """The note `leave` left for `optimizer` at `step` (removed), None when there is none for it."""
     note = _NOTES.pop(optimizer, None)
     return note if note is not None and note.step == step else None
-
-
-def nonfinite_of(norms: list[torch.Tensor]) -> torch.Tensor:
-    """0-d bool: one of `norms` (0-d, one device) is NaN or ±Inf."""
-    return ~torch.isfinite(torch.stack(norms)).all()

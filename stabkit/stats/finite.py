@@ -55,10 +55,22 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor], *, ignore_neginf: bool = Fal
         else:
             reduced = torch.stack([t.sum(dtype=torch.float32) for t in group])
         flags.append(~torch.isfinite(reduced).all())
+    return any_flag(flags)
+
+
+def any_flag(flags: list[torch.Tensor]) -> torch.Tensor | None:
+    """0-d bool: one of the 0-d device `flags` is set, on the first one's device (None for none). No
+    host sync."""
     if not flags:
         return None
     first = flags[0].device
     return torch.stack([f.to(first) for f in flags]).any()
+
+
+def any_nonfinite(values: list[torch.Tensor]) -> torch.Tensor:
+    """0-d bool: one of the 0-d `values` (one device; e.g. norms, which a NaN/±Inf entry makes
+    non-finite) is NaN or ±Inf. No host sync."""
+    return ~torch.isfinite(torch.stack(values)).all()
 
 
 def is_nonfinite(tensor: torch.Tensor) -> bool:
