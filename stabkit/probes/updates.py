@@ -46,7 +46,6 @@ def update_norms(
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: list[torch.Tensor | None] = [None] * len(params)
     batches: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, dict]]] = {}
-    originals: dict[int, tuple[torch.Tensor, dict]] = {}
     for i, p in enumerate(params):
         owner = optimizer.owner(p) if hasattr(optimizer, "owner") else optimizer
         group = group_of.get(id(p))
@@ -56,9 +55,9 @@ def update_norms(
             continue
         # FSDP2: this rank's shard of the parameter, its gradient and its state (DTensor.to_local())
         grad = local(like_param(p.grad, p))  # tensor parallel: the gradient in the parameter's layout
-        originals[i] = (p, state)
+        own_state = state  # the optimizer's own tensors (DTensors under FSDP2), which `seen` names
         state = {k: local(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
-        p = local(p)
+        param, p = p, local(p)
         if isinstance(owner, torch.optim.SGD):
             delta = _sgd_delta(p, grad, group, state)
         else:
@@ -67,6 +66,10 @@ def update_norms(
             if step is not None:  # rebuilt with its batch below
                 key = (id(group), decoupled, step, p.device)
                 batches.setdefault(key, []).append((i, p, state))
+                if seen is not None:  # what its batch will read (a raise there leaves no note)
+                    seen.tensors.update(id(own_state[k]) for k in read_state(group))
+                    if _shrink(group, decoupled):  # θ_new too
+                        seen.tensors.add(id(param))
                 continue
             delta = _adam_delta(p, group, state, decoupled=decoupled)
         out[i] = torch.linalg.vector_norm(delta, dtype=torch.float32)
@@ -80,12 +83,6 @@ def update_norms(
             )
             for (i, _, _), n in zip(part, norms, strict=True):
                 out[i] = n
-            if seen is not None:
-                for i, _, _ in part:
-                    p, state = originals[i]
-                    seen.tensors.update(id(state[key]) for key in read_state(group))
-                    if _shrink(group, decoupled):  # θ_new is read too
-                        seen.tensors.add(id(p))
     return [n for n in out if n is not None]
 
 
@@ -154,8 +151,8 @@ def _adam_batch_norms(
     group: dict,
     step: float,
     decoupled: bool,
-    seen: FiniteSeen | None = None,
-    space: Workspace | None = None,
+    seen: FiniteSeen | None,
+    space: Workspace,
 ) -> list[torch.Tensor]:
     """`_adam_delta`'s ‖Δθ‖ for parameters of one group that share a host step count, with foreach
     ops: u = lr/bc1 · m / (√v/√bc2 + ε), ‖Δθ‖ = ‖a·θ_new + u‖ / (1 − a) with a = lr·wd (AdamW).
@@ -167,7 +164,6 @@ def _adam_batch_norms(
     first, second = read_state(group)
     # m / (√v/√bc2 + ε) = √bc2 · m / (√v + ε·√bc2): bc2 folds into the scalars, four passes in all
     root = bc2**0.5
-    space = space or Workspace(params[0].device)
     denom, update = space.views(params)
     for d, s in zip(denom, states, strict=True):
         torch.sqrt(s[second].float(), out=d)  # computed in float32 (a no-op cast for float32 state)
