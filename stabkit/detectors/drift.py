@@ -195,13 +195,11 @@ class DriftDetector(Detector):
         steps = np.array([t for t, _ in s.window], dtype=np.float64)
         raw = np.array([v for _, v in s.window], dtype=np.float64)
         if rule.space == "log":
-            if raw[-1] < level or (raw <= 0).any():  # cheap pre-check before the O(n²) fit
+            if (raw <= 0).any():  # no log of it (the level check above came before the O(n²) fit)
                 return None
             y = np.log(raw)
         else:
             y = np.abs(raw - (rule.reference or 0.0))
-            if y[-1] < level:
-                return None
         from scipy.stats import theilslopes  # scipy.stats takes ~1.5 s to import: load on the first fit
 
         slope, intercept, low, _high = theilslopes(y, steps)
