@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -171,3 +172,22 @@ def batch(seed: int = 0, bsz: int = 4, seq: int = SEQ) -> tuple[torch.Tensor, to
     g = torch.Generator().manual_seed(seed)
     data = torch.randint(0, VOCAB, (bsz, seq + 1), generator=g)
     return data[:, :-1], data[:, 1:]
+
+
+def train_steps(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    opt: torch.optim.Optimizer,
+    mon: Any,
+    steps: int,
+    before_step: Callable[[int], None] = lambda step: None,
+) -> None:
+    """`steps` plain training steps on `batch(step)` with monitor `mon` (`mon.step(loss)` after the
+    optimizer step); `before_step(step)` runs first in each (e.g. to switch a fault on)."""
+    for step in range(steps):
+        before_step(step)
+        x, y = batch(step)
+        loss = lm_loss(forward(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss)

@@ -20,7 +20,7 @@ import torch
 import torch._dynamo
 from torch import nn
 from torch._dynamo.utils import counters
-from zoo import batch, forward_logits, hf_llama, lm_loss, reference_gpt
+from zoo import batch, forward_logits, hf_llama, lm_loss, reference_gpt, train_steps
 
 import stabkit
 import stabkit.probes.phase as phase
@@ -194,14 +194,7 @@ def test_fault_under_compile_is_named_by_module() -> None:
     fault = {"on": False}
     model.blocks[1].mlp.fc.register_forward_hook(lambda m, a, out: out * math.nan if fault["on"] else None)
     forward = torch.compile(model, backend="aot_eager")
-    for step in range(4):
-        fault["on"] = step == 2
-        x, y = batch(step)
-        loss = lm_loss(forward(x), y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
+    train_steps(forward, opt, mon, 4, before_step=lambda step: fault.update(on=step == 2))
     fault["on"] = False
     [event] = mon.events
     assert (event.step, event.kind, event.where, event.details["pass"]) == (

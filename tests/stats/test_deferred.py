@@ -14,7 +14,7 @@ import math
 
 import pytest
 import torch
-from zoo import batch, lm_loss, reference_gpt
+from zoo import batch, lm_loss, reference_gpt, train_steps
 
 import stabkit
 from stabkit.probes.base import ProbeError
@@ -141,13 +141,7 @@ def test_a_deferred_finisher_that_raises_warns_once_and_training_goes_on(
     cfg = stabkit.MonitorConfig(every=1, console=False, audit=False, tensorboard=False, jsonl=False)
     mon = stabkit.attach(model, opt, config=cfg)
     with pytest.warns(RuntimeWarning, match=f"probe '{probe}' failed at _finish") as caught:
-        for step in range(3):
-            x, y = batch(step)
-            loss = lm_loss(model(x), y)
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mon.step(loss)
+        train_steps(model, opt, mon, 3)
     mon.flush()
     mon.detach()
     assert sum("failed at _finish" in str(w.message) for w in caught) == 1
