@@ -255,9 +255,13 @@ class AttentionProbe(Probe):
         """Before the step's statistics are read (`Recorder.defer`): the summary of every call the
         probe measured since."""
         kept, self._kept = self._kept, []
+        groups: dict[tuple[Any, ...], list[tuple[str, HeadStats]]] = {}
+        for path, stats, seen_capped, applied_cap in kept:  # calls whose summaries have one layout
+            key = (seen_capped, applied_cap, *_shape_of(stats))
+            groups.setdefault(key, []).append((path, stats))
         with torch._C.DisableTorchFunction(), torch.no_grad():  # as in the handler: no mode sees them
-            for path, stats, seen_capped, applied_cap in kept:
-                self._record(path, stats, seen_capped, applied_cap)
+            for (seen_capped, applied_cap, *_), calls in groups.items():
+                self._record(calls, seen_capped, applied_cap)
 
     def _measure_traced(
         self,
@@ -291,18 +295,21 @@ class AttentionProbe(Probe):
         ctx.recorder.add_packed(names, combines, reductions, vector, every=every if gated else None)
 
     def _record(
-        self, path: str, stats: HeadStats, seen_capped: float | None, applied_cap: float | None
+        self, calls: list[tuple[str, HeadStats]], seen_capped: float | None, applied_cap: float | None
     ) -> None:
-        """Eager: the statistics of one measured call, as the compiled ops pack them (`attention_op`)."""
+        """Eager: the statistics of measured calls of one layout, as the compiled ops pack them
+        (`attention_op`), summarised together: one vector per statistic, one value per call."""
         ctx = self.ctx
         assert ctx is not None
         per_head = ctx.config.attn_per_head
         capped = seen_capped is not None or applied_cap is not None
-        entries = layout(stats.max_logit.shape[0], stats.sink_sum is not None, capped, per_head)
-        values = summary_values(stats, seen_capped, applied_cap, per_head)
+        stats = HeadStats.stacked([s for _, s in calls])  # (C, H) each
+        entries = layout(stats.max_logit.shape[-1], stats.sink_sum is not None, capped, per_head)
+        values = summary_values(stats, seen_capped, applied_cap, per_head)  # (C,) each
         rec = ctx.recorder
         for (name, combine, reduction), value in zip(entries, values, strict=True):
-            rec.add(f"attn/{path}/{name}", value, combine=combine, reduction=reduction)
+            names = tuple(f"attn/{path}/{name}" for path, _ in calls)
+            rec.add_vector(names, value, combine=combine, reduction=reduction)
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:
         """After a scoped forward: a training-mode forward that made no call the probe can read means
@@ -318,6 +325,11 @@ class AttentionProbe(Probe):
                     "with stabkit.register_kernel(...) to measure it"
                 ),
             )
+
+
+def _shape_of(stats: HeadStats) -> tuple[int, bool, bool]:
+    """What a call's summary layout depends on besides its caps: heads, first and sink sums."""
+    return stats.max_logit.shape[0], stats.first_sum is not None, stats.sink_sum is not None
 
 
 def attention_shaped(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

@@ -53,8 +53,9 @@ def layout(heads: int, sinks: bool, capped: bool, per_head: bool) -> list[Entry]
 def summary_values(
     stats: HeadStats, seen_capped: float | None, applied_cap: float | None, per_head: bool
 ) -> list[torch.Tensor]:
-    """The values of `layout` (0-d float32), computed as the probe's eager ``_record`` computes them."""
-    top = stats.max_logit.amax()
+    """The values of `layout` (0-d float32), computed as the probe's eager ``_record`` computes them;
+    of stacked calls (`HeadStats.stacked`), one (C,) vector per entry."""
+    top = stats.max_logit.amax(dim=-1)
     if seen_capped is not None:
         out = [uncap(top, seen_capped), top]
     else:
@@ -64,14 +65,14 @@ def summary_values(
     out += [stats.entropy(), stats.min_head_entropy(), *stats.attention_sinks()]
     sink = stats.sink_mass()
     if sink is not None:
-        out.append(sink.mean())
+        out.append(sink.mean(dim=-1))
     if per_head:
         head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
         head_ent, head_first = stats.head_entropy(), stats.first_key_mass()
-        for h in range(head_max.shape[0]):
-            out += [head_max[h], head_ent[h], head_first[h]]
+        for h in range(head_max.shape[-1]):
+            out += [head_max[..., h], head_ent[..., h], head_first[..., h]]
             if sink is not None:
-                out.append(sink[h])
+                out.append(sink[..., h])
     return out
 
 

@@ -57,7 +57,9 @@ CLAMP = -80.0
 
 @dataclass
 class HeadStats:
-    """Per-head sums of one attention call (device tensors, float32)."""
+    """Per-head sums of one attention call (device tensors, float32) — or of several calls with the
+    same heads, stacked along a leading dim (`stacked`): the summaries below reduce over the last
+    (head) dim, so they give one value per call (shapes say (H,) for one call)."""
 
     max_logit: torch.Tensor
     """(H,) max |logit| over the allowed entries of each head."""
@@ -75,6 +77,21 @@ class HeadStats:
         """Nothing measured yet (max 0: |logit| >= 0, and a head without allowed entries reads 0)."""
         return cls(*(torch.zeros(heads, device=device) for _ in range(4)))
 
+    @classmethod
+    def stacked(cls, calls: list[HeadStats]) -> HeadStats:
+        """The sums of `calls` (the same heads; all with or all without first and sink sums) as one
+        HeadStats of (C, H) tensors, in order."""
+
+        def rows(field: str) -> torch.Tensor | None:
+            parts = [getattr(c, field) for c in calls]
+            return None if parts[0] is None else torch.stack(parts)
+
+        out = cls(
+            *(torch.stack([getattr(c, f) for c in calls]) for f in ("max_logit", "entropy_sum", "rows"))
+        )
+        out.first_sum, out.sink_sum = rows("first_sum"), rows("sink_sum")
+        return out
+
     def sink_mass(self) -> torch.Tensor | None:
         """(H,) mean probability on the sink logits per head (None without sinks)."""
         return None if self.sink_sum is None else self.sink_sum / self.rows.clamp_min(1)
@@ -89,11 +106,11 @@ class HeadStats:
         learned sink logits the sinks' mass; a sink head's mass exceeds `SINK_HEAD` (Gu et al.)."""
         sink = self.sink_mass()
         mass = self.first_key_mass() if sink is None else sink  # (H,)
-        return (mass > SINK_HEAD).float().mean(), mass.amax()
+        return (mass > SINK_HEAD).float().mean(dim=-1), mass.amax(dim=-1)
 
     def entropy(self) -> torch.Tensor:
         """0-d mean entropy over all heads' measured rows."""
-        return self.entropy_sum.sum() / self.rows.sum().clamp_min(1)
+        return self.entropy_sum.sum(dim=-1) / self.rows.sum(dim=-1).clamp_min(1)
 
     def head_entropy(self) -> torch.Tensor:
         """(H,) mean entropy of each head (0 for a head without measured rows)."""
@@ -102,7 +119,7 @@ class HeadStats:
     def min_head_entropy(self) -> torch.Tensor:
         """0-d min over heads (with measured rows) of the per-head mean entropy."""
         per_head = torch.where(self.rows > 0, self.head_entropy(), torch.inf)
-        low = per_head.amin()
+        low = per_head.amin(dim=-1)
         return torch.where(torch.isinf(low) & (low > 0), torch.zeros_like(low), low)
 
 

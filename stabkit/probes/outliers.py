@@ -24,7 +24,7 @@ from torch import nn
 
 from ..distributed import is_dtensor, local
 from ..stats.opaque import OUTLIER_COMBINES
-from ..stats.outliers import OutlierReductions, finish_outliers, reduce_outliers
+from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
 from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
 
@@ -91,8 +91,13 @@ class OutlierProbe(Probe):
         kept, self._kept = self._kept, []
         if ctx is None:
             return
-        for names, reductions in kept:
-            for name, value, combine, reduction in zip(
-                names, finish_outliers(reductions), OUTLIER_COMBINES, REDUCTIONS, strict=True
+        groups: dict[tuple[object, ...], list[tuple[tuple[str, ...], OutlierReductions]]] = {}
+        for names, reductions in kept:  # blocks of one shape finish together
+            groups.setdefault(stack_key(reductions), []).append((names, reductions))
+        for group in groups.values():
+            values = finish_outliers_stacked([r for _, r in group])  # three (n,) vectors
+            for i, (value, combine, reduction) in enumerate(
+                zip(values, OUTLIER_COMBINES, REDUCTIONS, strict=True)
             ):
-                ctx.recorder.add(name, value, combine=combine, reduction=reduction)
+                names = tuple(n[i] for n, _ in group)
+                ctx.recorder.add_vector(names, value, combine=combine, reduction=reduction)

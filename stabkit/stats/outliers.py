@@ -90,13 +90,37 @@ def reduce_outliers(x: torch.Tensor) -> OutlierReductions | None:
 
 def finish_outliers(kept: OutlierReductions) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(massive_ratio, massive_dim, kurtosis) from `reduce_outliers`' reductions (small ops only)."""
-    ratio = (kept.row_top / kept.median.clamp_min(TINY)).amax()
-    channel = (kept.sumsq / kept.tokens).sqrt().float()  # (D,) per-channel RMS
-    centred = channel - channel.mean()
-    var = centred.pow(2).mean()
-    fourth = centred.pow(4).mean()
+    return _finish(kept.row_top, kept.median, kept.where, kept.sumsq, kept.tokens)
+
+
+def finish_outliers_stacked(kept: list[OutlierReductions]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`finish_outliers` of several hidden states of one shape and device at once (the blocks of a
+    step): three (n,) vectors, in the order of `kept`."""
+    first = kept[0]
+
+    def stack(field: str) -> torch.Tensor:
+        return torch.stack([getattr(k, field) for k in kept])
+
+    return _finish(stack("row_top"), stack("median"), stack("where"), stack("sumsq"), first.tokens)
+
+
+def stack_key(kept: OutlierReductions) -> tuple[object, ...]:
+    """Reductions with the same key finish together (`finish_outliers_stacked`)."""
+    return kept.row_top.shape, kept.sumsq.shape, kept.sumsq.dtype, kept.sumsq.device, kept.tokens
+
+
+def _finish(
+    row_top: torch.Tensor, median: torch.Tensor, where: torch.Tensor, sumsq: torch.Tensor, tokens: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The statistics of (..., K) candidate maxima and medians, (...) channels of the largest |x| and
+    (..., D) channel sums of squares over `tokens` tokens, per leading index."""
+    ratio = (row_top / median.clamp_min(TINY)).amax(dim=-1)
+    channel = (sumsq / tokens).sqrt().float()  # (..., D) per-channel RMS
+    centred = channel - channel.mean(dim=-1, keepdim=True)
+    var = centred.pow(2).mean(dim=-1)
+    fourth = centred.pow(4).mean(dim=-1)
     kurtosis = torch.where(var > 0, fourth / var.clamp_min(TINY).pow(2) - 3.0, 0.0)
-    return ratio, kept.where.float(), kurtosis
+    return ratio, where.float(), kurtosis
 
 
 def _token_and_channel_sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,7 +19,7 @@ from zoo import batch, lm_loss, reference_gpt, train_steps
 import stabkit
 from stabkit.probes.base import ProbeError
 from stabkit.stats import Recorder, outlier_stats, tensor_stats
-from stabkit.stats.outliers import finish_outliers, reduce_outliers
+from stabkit.stats.outliers import finish_outliers, finish_outliers_stacked, reduce_outliers
 from stabkit.stats.tensor_batch import by_device, finish_tensors, reduce_tensor
 
 
@@ -98,6 +98,20 @@ def test_reduced_then_finished_outliers_are_outlier_stats() -> None:
         assert torch.equal(a, b)
 
 
+def test_outliers_finished_together_are_those_finished_one_by_one() -> None:
+    torch.manual_seed(1)
+    states = [torch.randn(2, 80, 24) for _ in range(3)]
+    states[1][0, 7, 5] = 500.0  # a massive activation in one of them
+    states[2][..., 3] *= 40.0  # an outlier channel in another
+    kept = [reduce_outliers(x) for x in states]
+    assert all(k is not None for k in kept)
+    together = finish_outliers_stacked(kept)  # type: ignore[arg-type]
+    for i, k in enumerate(kept):
+        for column, alone in zip(together, finish_outliers(k), strict=True):  # type: ignore[arg-type]
+            torch.testing.assert_close(column[i], alone, rtol=1e-6, atol=0.0)
+    assert float(together[1][1]) == 5.0 and float(together[0][1]) > 100
+
+
 def test_deferred_activation_statistics_over_two_micro_batches_match_a_hand_computation() -> None:
     torch.manual_seed(0)
     model = reference_gpt()
@@ -124,7 +138,7 @@ def test_deferred_activation_statistics_over_two_micro_batches_match_a_hand_comp
     "target,probe,family",
     [
         ("stabkit.probes.activations.finish_tensors", "act", "act/blocks.0/rms"),
-        ("stabkit.probes.outliers.finish_outliers", "outliers", "act/blocks.0/kurtosis"),
+        ("stabkit.probes.outliers.finish_outliers_stacked", "outliers", "act/blocks.0/kurtosis"),
         ("stabkit.probes.attention.AttentionProbe._record", "attn", "attn/blocks.0.attn/max_logit"),
     ],
 )
