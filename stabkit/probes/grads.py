@@ -145,7 +145,7 @@ class GradProbe(Probe):
         if ctx is not None and self._watched(ctx) != self._signature:  # unfrozen since: follow them
             self._setup(ctx)
         present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads = [self.params[i].grad.detach() for i in present]  # type: ignore[union-attr]
+        grads: list[torch.Tensor] = [self.params[i].grad for i in present]  # type: ignore[misc]
         if self.dist.sharded:  # a DTensor gradient in its parameter's layout (Partial: a collective)
             grads = [like_param(g, self.params[i]) for i, g in zip(present, grads, strict=True)]
         grads = [local(g) for g in grads]
@@ -173,7 +173,7 @@ class GradProbe(Probe):
             self._record_grads(sampled)
         if sampled and (self.want_param or self.want_update):
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
-            tensors = [local(self.params[i].detach()) for i in with_grad]
+            tensors = [local(self.params[i]) for i in with_grad]  # under no_grad (`guarded`)
             norms = foreach_norm_f32(tensors) if tensors else []
             norms = self._scaled(with_grad, norms)
             if self.want_param:

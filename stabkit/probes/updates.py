@@ -37,6 +37,7 @@ def closed_form_supported(optimizer: Any) -> bool:
     return all(not g.get("differentiable", False) for g in optimizer.param_groups)
 
 
+@torch.no_grad()
 def update_norms(
     optimizer: Any, params: Sequence[torch.Tensor], seen: FiniteSeen | None = None
 ) -> list[torch.Tensor]:
@@ -175,7 +176,7 @@ def _adam_batch_norms(
     shrink = _shrink(group, decoupled)
     if shrink:  # a·θ_new + u
         for u, p in zip(update, params, strict=True):
-            torch.mul(p.detach().float(), shrink, out=u)
+            torch.mul(p if p.dtype == torch.float32 else p.float(), shrink, out=u)
         torch._foreach_addcdiv_(update, moments, denom, value=scale)
         norms = foreach_norm_f32(update)
         if seen is not None:

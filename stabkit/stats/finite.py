@@ -43,18 +43,26 @@ def nonfinite_flag(tensors: Iterable[torch.Tensor], *, ignore_neginf: bool = Fal
     for t in tensors:
         t = local(t)  # FSDP2 DTensor: this rank's shard
         if t.is_floating_point() and t.numel() > 0:
-            groups.setdefault((t.device, t.dtype), []).append(t.detach())
+            groups.setdefault((t.device, t.dtype), []).append(t)
     flags = []
-    for (device, _), group in groups.items():
-        if ignore_neginf:
-            top = torch.stack([t.amax().float() for t in group])  # NaN if any NaN, +Inf if any +Inf
-            flags.append((torch.isnan(top) | torch.isposinf(top)).any())
-            continue
-        if device.type == "cuda":
-            reduced = torch.stack(torch._foreach_norm(group, float("inf")))
-        else:
-            reduced = torch.stack([t.sum(dtype=torch.float32) for t in group])
-        flags.append(~torch.isfinite(reduced).all())
+    with torch.no_grad():
+        for (device, _), group in groups.items():
+            scalars = [t for t in group if t.dim() == 0]  # e.g. Adam's step counts: read at once
+            group = [t for t in group if t.dim()]
+            if ignore_neginf:
+                top = [t.amax().float() for t in group]  # NaN if any NaN, +Inf if any +Inf
+                if scalars:
+                    top.append(torch.stack(scalars).amax().float())
+                maxima = torch.stack(top)
+                flags.append((torch.isnan(maxima) | torch.isposinf(maxima)).any())
+                continue
+            if device.type == "cuda":
+                reduced = list(torch._foreach_norm(group, float("inf"))) if group else []
+            else:
+                reduced = [t.sum(dtype=torch.float32) for t in group]
+            if scalars:
+                reduced.append(torch.stack(scalars).sum(dtype=torch.float32))
+            flags.append(~torch.isfinite(torch.stack(reduced)).all())
     return any_flag(flags)
 
 

@@ -57,14 +57,70 @@ class _Vector:
 
     names: tuple[str, ...]
     stored: torch.Tensor
-    """(k,) float32 in slot form (squares for 'rms'), each standing for one measurement."""
+    """(k,) float32 in slot form (squares for 'rms'), each standing for `counts` measurements."""
     combine: Combine
+    repeats: _Repeats | None = None
+    """None: each entry stands for one measurement. Else a name recorded several times in one vector
+    (a module called twice, micro-batches finished together) is one entry of ``repeats.counts``."""
 
     def finished(self) -> torch.Tensor:
-        """(k,) the values `_finish` gives each slot of one measurement (a division by 1 is exact)."""
-        if self.combine == "rms":
-            return torch.sqrt(self.stored)
-        return self.stored
+        """(k,) the values `_finish` gives the slots (a division by a count of 1, exact, is skipped)."""
+        value = self.stored
+        if self.repeats is not None and self.combine in ("mean", "rms"):
+            value = value / self.repeats.count_tensor
+        return torch.sqrt(value) if self.combine == "rms" else value
+
+    def count(self, i: int) -> int:
+        """Measurements entry `i` stands for."""
+        return 1 if self.repeats is None else self.repeats.counts[i]
+
+
+@dataclass(frozen=True)
+class _Repeats:
+    """How a vector whose names repeat folds into one entry per name (`Recorder.add_vector`), in the
+    order each name first comes: `index` (k,) maps entries to names, `last` picks each name's last."""
+
+    names: tuple[str, ...]
+    counts: tuple[int, ...]
+    index: torch.Tensor
+    """(k,) int64, on the vector's device."""
+    last: torch.Tensor
+    """(u,) int64: the entry of each name's last record."""
+    count_tensor: torch.Tensor
+    """(u,) float32 `counts`, on the vector's device."""
+
+    @staticmethod
+    def of(names: tuple[str, ...], device: torch.device) -> _Repeats:
+        first: dict[str, int] = {}
+        index: list[int] = []
+        last: list[int] = []
+        for i, name in enumerate(names):
+            u = first.setdefault(name, len(first))
+            index.append(u)
+            if u == len(last):
+                last.append(i)
+            last[u] = i
+        counts = [0] * len(first)
+        for u in index:
+            counts[u] += 1
+        return _Repeats(
+            tuple(first),
+            tuple(counts),
+            torch.tensor(index).to(device, non_blocking=True),
+            torch.tensor(last).to(device, non_blocking=True),
+            torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True),
+        )
+
+    def fold(self, values: torch.Tensor, combine: Combine) -> torch.Tensor:
+        """(u,) the entries of (k,) `values` combined per name in slot form (in record order, as
+        `Recorder._merge` would: sums of squares for 'rms', max/min, the last for 'last')."""
+        if combine == "last":
+            return values.index_select(0, self.last)
+        if combine in ("max", "min"):
+            out = values.new_empty(len(self.names))
+            reduce = "amax" if combine == "max" else "amin"
+            return out.scatter_reduce_(0, self.index, values, reduce, include_self=False)
+        return values.new_zeros(len(self.names)).index_add_(0, self.index, values)
 
 
 @dataclass
@@ -97,6 +153,8 @@ class Recorder:
         self._in_whole: dict[str, int] = {}
         """Name -> the id of the whole vector that holds it."""
         self._deferred: dict[Callable[[], None], None] = {}
+        self._repeats: dict[tuple[tuple[str, ...], torch.device], _Repeats] = {}
+        """How each vector of repeated names seen so far folds (the same every step)."""
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.reductions: dict[str, Reduction] = {}
         """Cross-rank reduction declared by each metric name seen so far."""
@@ -187,19 +245,22 @@ class Recorder:
         vectors, self._vectors = self._vectors, []
         for names, values, combine, reduction in vectors:
             kept = (values * values if combine == "rms" else values).float()
-            repeated = len(set(names)) < len(names)  # micro-batches finished together
-            if repeated or (
-                combine != "last" and any(n in self._current or n in self._in_whole for n in names)
-            ):
-                for name, value in zip(names, kept.unbind(), strict=True):  # merge with what came before
-                    self._merge(name, value, 1, combine, reduction)
-                continue
+            repeats = None
+            if len(set(names)) < len(names):  # a module called twice, micro-batches finished together
+                repeats = self._repeats.get((names, kept.device))
+                if repeats is None:
+                    repeats = self._repeats[(names, kept.device)] = _Repeats.of(names, kept.device)
+                names, kept = repeats.names, repeats.fold(kept, combine)
+            if combine != "last" and any(n in self._current or n in self._in_whole for n in names):
+                for i, (name, value) in enumerate(zip(names, kept.unbind(), strict=True)):
+                    self._merge(name, value, 1 if repeats is None else repeats.counts[i], combine, reduction)
+                continue  # merged with what came before
             for name in names:
                 self.reductions.setdefault(name, reduction)
                 if name in self._in_whole:  # 'last': the newer value replaces the older
                     self._explode(self._in_whole[name])
                 self._current.pop(name, None)
-            vector = _Vector(names, kept, combine)
+            vector = _Vector(names, kept, combine, repeats)
             self._whole[id(vector)] = vector
             self._in_whole.update(dict.fromkeys(names, id(vector)))
         packs, self._packs = self._packs, {}
@@ -215,9 +276,9 @@ class Recorder:
     def _explode(self, key: int) -> None:
         """A whole vector's names are recorded again: its values become ordinary slots."""
         vector = self._whole.pop(key)
-        for name, value in zip(vector.names, vector.stored.unbind(), strict=True):
+        for i, (name, value) in enumerate(zip(vector.names, vector.stored.unbind(), strict=True)):
             del self._in_whole[name]
-            self._current[name] = _Slot(value, 1, vector.combine)
+            self._current[name] = _Slot(value, vector.count(i), vector.combine)
 
     def current(self, name: str) -> torch.Tensor | None:
         """The current step's combined value of `name` (device tensor), if recorded."""

@@ -110,7 +110,8 @@ def l2_of_norms(norms: list[torch.Tensor]) -> torch.Tensor:
     """√(Σ nᵢ²): combine per-tensor L2 norms into the norm of their concatenation (never a sum of norms)."""
     if not norms:
         return torch.zeros(())
-    return torch.linalg.vector_norm(torch.stack([n.float().reshape(()) for n in norms]))
+    parts = [n if n.dim() == 0 and n.dtype == torch.float32 else n.float().reshape(()) for n in norms]
+    return torch.linalg.vector_norm(torch.stack(parts))
 
 
 def logz_chunk_rows(n_rows: int, vocab: int) -> int:

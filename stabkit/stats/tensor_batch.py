@@ -37,7 +37,8 @@ class TensorReductions:
 def reduce_tensor(x: torch.Tensor) -> TensorReductions:
     """The reductions `tensor_stats` makes of `x` (two passes: norm, min/max; the non-finite count
     only when the norm is not finite on a CPU, always elsewhere). Eager only."""
-    x = x.detach()
+    if torch.is_grad_enabled():  # hooks run under no_grad: no detach op there
+        x = x.detach()
     if x.numel() == 0:
         zero = torch.zeros((), device=x.device)
         return TensorReductions(zero, zero, zero, zero, 0)
@@ -56,9 +57,9 @@ def finish_tensors(kept: list[TensorReductions]) -> tuple[torch.Tensor, torch.Te
     three (k,) float32 vectors, in the order of `kept`. At least one."""
     roots = [math.sqrt(r.numel) if r.numel else 1.0 for r in kept]
     rms = torch.stack(torch._foreach_div([r.norm for r in kept], roots))
-    low = torch.stack([r.low.float() for r in kept])
-    high = torch.stack([r.high.float() for r in kept])
-    counts = torch.stack([r.nonfinite.to(rms.device) for r in kept])
+    low = torch.stack([r.low for r in kept]).float()  # mixed dtypes promote, then round as one by one
+    high = torch.stack([r.high for r in kept]).float()
+    counts = torch.stack([r.nonfinite for r in kept])  # on the device of the norms (`reduce_tensor`)
     return rms, torch.maximum(high, -low), counts
 
 

@@ -87,3 +87,36 @@ def test_step_values_read_like_a_dict() -> None:
         values["z"]
     assert dict(values.items()).keys() == {"loss", "x", "y"}
     assert rec.drain() == [(0, {"loss": 1.5, "x": 2.0, "y": 3.0})]
+
+
+@pytest.mark.parametrize("combine", ["rms", "mean", "max", "min", "sum", "last"])
+def test_repeated_names_fold_inside_the_vector_like_single_records(combine: str) -> None:
+    names = ("a", "b", "a", "c", "b", "a")  # a module called three times, one twice
+    values = rng_values(6, 2)
+    single, whole = Recorder(), Recorder()
+    for name, v in zip(names, values, strict=True):
+        single.add(name, v, combine=combine)  # type: ignore[arg-type]
+    whole.add_vector(names, values, combine=combine)  # type: ignore[arg-type]
+    assert whole.current_names() == ["a", "b", "c"]
+    assert whole._whole, "folded, the vector stays whole"
+    a, b = single.commit(0), whole.commit(0)
+    for name in "abc":
+        torch.testing.assert_close(b[name], a[name], rtol=1e-6, atol=0.0)
+    (_, host_single), (_, host_whole) = single.drain()[0], whole.drain()[0]
+    assert host_whole == pytest.approx(host_single, rel=1e-6)
+
+
+@pytest.mark.parametrize("combine", ["rms", "mean"])
+def test_a_folded_vector_counts_its_records_when_more_come(combine: str) -> None:
+    rec = Recorder()
+    rec.add_vector(("a", "a", "b"), torch.tensor([1.0, 2.0, 5.0]), combine=combine)  # type: ignore[arg-type]
+    rec.current_names()  # unpacked: whole, 'a' standing for two records
+    rec.add("a", torch.tensor(6.0), combine=combine)  # type: ignore[arg-type]
+    rec.add_vector(("b", "b"), torch.tensor([7.0, 8.0]), combine=combine)  # type: ignore[arg-type]
+    values = rec.commit(0)
+    if combine == "mean":
+        assert float(values["a"]) == pytest.approx((1 + 2 + 6) / 3)
+        assert float(values["b"]) == pytest.approx((5 + 7 + 8) / 3)
+    else:
+        assert float(values["a"]) == pytest.approx(((1 + 4 + 36) / 3) ** 0.5)
+        assert float(values["b"]) == pytest.approx(((25 + 49 + 64) / 3) ** 0.5)
