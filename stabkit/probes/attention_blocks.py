@@ -94,14 +94,19 @@ def qk_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Te
     """(b, H, l, s) float32 ``q·kᵀ·scale`` of (b, H, l, E) queries and (b, Hkv, s, E) keys (query head
     h uses kv head h // (H / Hkv); scale None = 1/√E), in its own storage."""
     b, heads, n_q, dim = q.shape
-    kv = k.shape[1]
+    kv, n_k = k.shape[1], k.shape[2]
     scale = dim**-0.5 if scale is None else scale
     # dense float32 operands (counted by `cost_qk`): torch.matmul would copy strided ones itself
     # (a (B, T, H, E) projection seen as (B, H, T, E)), about twice as slowly on a CPU
-    flat = q.float().mul(scale).reshape(b, kv, heads // kv * n_q, dim)  # (b, hkv, g·l, E), scaled
+    flat = torch.empty(q.shape, device=q.device)  # (b, H, l, E) dense float32: the scaled queries
+    if q.dtype == torch.float32:
+        torch.mul(q, scale, out=flat)  # one pass, whatever q's layout
+    else:  # cast first: the product in float32, as for float32 queries
+        flat.copy_(q).mul_(scale)
     keys = k.float().contiguous()  # (b, hkv, s, E)
-    out = torch.matmul(flat, keys.transpose(-1, -2))  # (b, hkv, g·l, s)
-    return out.view(b, heads, n_q, out.shape[-1])
+    # (b·hkv, g·l, E) @ (b·hkv, E, s): the queries of a kv head's group against its keys
+    out = torch.bmm(flat.view(b * kv, heads // kv * n_q, dim), keys.view(b * kv, n_k, dim).transpose(1, 2))
+    return out.view(b, heads, n_q, n_k)
 
 
 def candidate_reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:
