@@ -24,6 +24,10 @@ from ..stats.finite import any_nonfinite
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
+FUSED_DECAY_LIMIT = 1e30
+"""Largest lr/bc1·√bc2 / (lr·wd) for which decoupled decay is rebuilt in one pass as
+a·(θ + (scale/a)·m/d): beyond, (scale/a)·m/d could overflow float32 (decay ~1e-30 of the step)."""
+
 BATCH_ELEMENTS = 1 << 20
 """Entries rebuilt at once by the foreach path (4 MiB of float32 temporaries), at least one parameter."""
 
@@ -174,7 +178,15 @@ def _adam_batch_norms(
     scale = lr * root / bc1
     moments = [s[first].float() for s in states]
     shrink = _shrink(group, decoupled)
-    if shrink:  # a·θ_new + u
+    if shrink and scale / shrink < FUSED_DECAY_LIMIT:  # a·θ_new + u = a·(θ_new + (scale/a)·m/d), one pass
+        for u, p, m, d in zip(update, params, moments, denom, strict=True):
+            torch.addcdiv(p if p.dtype == torch.float32 else p.float(), m, d, value=scale / shrink, out=u)
+        norms = foreach_norm_f32(update)
+        if seen is not None:
+            seen.flags.append(any_nonfinite(norms))
+        torch._foreach_mul_(norms, shrink / (1 - shrink))
+        return norms
+    if shrink:  # a·θ_new + u, with a too small to divide by
         for u, p in zip(update, params, strict=True):
             torch.mul(p if p.dtype == torch.float32 else p.float(), shrink, out=u)
         torch._foreach_addcdiv_(update, moments, denom, value=scale)

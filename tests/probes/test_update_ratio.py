@@ -17,6 +17,8 @@ OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "adamw_amsgrad_max": lambda ps: torch.optim.AdamW(
         ps, lr=1e-2, weight_decay=0.1, amsgrad=True, maximize=True
     ),
+    # decay so small that the one-pass rebuild would overflow: the two-pass path (`FUSED_DECAY_LIMIT`)
+    "adamw_tiny_decay": lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=1e-35),
     "adam_l2": lambda ps: torch.optim.Adam(ps, lr=1e-2, weight_decay=0.05, betas=(0.8, 0.9)),
     "adam_foreach_off": lambda ps: torch.optim.Adam(ps, lr=3e-3, foreach=False),
     "sgd": lambda ps: torch.optim.SGD(ps, lr=0.1),
