@@ -5,7 +5,8 @@ update is rebuilt from the optimizer state and the gradient that are still there
 the step, so the only extra memory is two temporaries per parameter of a batch of at most
 `BATCH_ELEMENTS` entries (or one parameter, when a parameter is larger). Adam(W) parameters whose
 step count is a host number (torch's default, not ``capturable``/``fused``) are rebuilt a batch at a
-time with ``torch._foreach_*`` ops — four passes per batch instead of ~25 small ops per parameter,
+time with ``torch._foreach_*`` ops — three writing passes per batch (√v, + ε, then one ``addcdiv`` that
+also folds in decoupled decay) and the norms, instead of ~25 small ops per parameter,
 which on a small model were most of the monitor's optimizer-step cost. Other optimizers fall back
 to a snapshot taken in the pre-hook (one copy of the parameters on sampled steps).
 """
@@ -167,7 +168,7 @@ def _adam_batch_norms(
     lr, eps = float(group["lr"]), group["eps"]
     bc1, bc2 = 1 - beta1**step, 1 - beta2**step
     first, second = read_state(group)
-    # m / (√v/√bc2 + ε) = √bc2 · m / (√v + ε·√bc2): bc2 folds into the scalars, four passes in all
+    # m / (√v/√bc2 + ε) = √bc2 · m / (√v + ε·√bc2): bc2 folds into the scalars, three writing passes
     root = bc2**0.5
     denom, update = space.views(params)
     for d, s in zip(denom, states, strict=True):
