@@ -327,9 +327,11 @@ class AttentionProbe(Probe):
             )
 
 
-def _shape_of(stats: HeadStats) -> tuple[int, bool, bool]:
-    """What a call's summary layout depends on besides its caps: heads, first and sink sums."""
-    return stats.max_logit.shape[0], stats.first_sum is not None, stats.sink_sum is not None
+def _shape_of(stats: HeadStats) -> tuple[object, ...]:
+    """What summarising a call with others depends on besides its caps: heads, first and sink sums,
+    device (a model split across devices summarises each device's calls apart)."""
+    first, sink = stats.first_sum is not None, stats.sink_sum is not None
+    return stats.max_logit.shape[0], first, sink, stats.max_logit.device
 
 
 def attention_shaped(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:

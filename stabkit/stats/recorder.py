@@ -354,6 +354,7 @@ class Recorder:
             out.append((step, row))
         self._pending = []
         self._names = {}
+        self._repeats = {}  # rebuilt once an interval: bounded however the names vary
         return out
 
 

@@ -46,3 +46,13 @@ def test_stacked_keeps_missing_sums_missing() -> None:
     assert stacked.sink_sum is None
     assert stacked.first_sum is not None and stacked.first_sum.shape == (2, 4)
     assert torch.equal(stacked.max_logit[1], calls[1].max_logit)
+
+
+def test_calls_on_different_devices_are_summarised_apart() -> None:
+    from stabkit.probes.attention import _shape_of
+
+    here = _call(3, 4, sinks=False)
+    there = HeadStats(*(t.to("meta") for t in (here.max_logit, here.entropy_sum, here.rows)))
+    there.first_sum = here.first_sum.to("meta")  # type: ignore[union-attr]
+    assert _shape_of(here) != _shape_of(there)
+    assert _shape_of(here) == _shape_of(_call(4, 4, sinks=False))
