@@ -182,26 +182,27 @@ def _adam_batch_norms(
     if shrink and scale / shrink < FUSED_DECAY_LIMIT:  # a·θ_new + u = a·(θ_new + (scale/a)·m/d), one pass
         for u, p, m, d in zip(update, params, moments, denom, strict=True):
             torch.addcdiv(p if p.dtype == torch.float32 else p.float(), m, d, value=scale / shrink, out=u)
-        norms = foreach_norm_f32(update)
-        if seen is not None:
-            seen.flags.append(any_nonfinite(norms))
+        norms = _checked_norms(update, seen)
         torch._foreach_mul_(norms, shrink / (1 - shrink))
-        return norms
-    if shrink:  # a·θ_new + u, with a too small to divide by
+    elif shrink:  # a·θ_new + u, with a too small to divide by
         for u, p in zip(update, params, strict=True):
             torch.mul(p if p.dtype == torch.float32 else p.float(), shrink, out=u)
         torch._foreach_addcdiv_(update, moments, denom, value=scale)
-        norms = foreach_norm_f32(update)
-        if seen is not None:
-            seen.flags.append(any_nonfinite(norms))
+        norms = _checked_norms(update, seen)
         torch._foreach_div_(norms, 1 - shrink)
-        return norms
-    for u, m, d in zip(update, moments, denom, strict=True):
-        torch.div(m, d, out=u)  # u / scale
+    else:
+        for u, m, d in zip(update, moments, denom, strict=True):
+            torch.div(m, d, out=u)  # u / scale
+        norms = _checked_norms(update, seen)
+        torch._foreach_mul_(norms, scale)
+    return norms
+
+
+def _checked_norms(update: list[torch.Tensor], seen: FiniteSeen | None) -> list[torch.Tensor]:
+    """float32 norms of the rebuilt `update` tensors; `seen` gets a flag when one is NaN/±Inf."""
     norms = foreach_norm_f32(update)
     if seen is not None:
         seen.flags.append(any_nonfinite(norms))
-    torch._foreach_mul_(norms, scale)
     return norms
 
 
