@@ -82,15 +82,13 @@ class HeadStats:
         """The sums of `calls` (the same heads; all with or all without first and sink sums) as one
         HeadStats of (C, H) tensors, in order."""
 
-        def rows(field: str) -> torch.Tensor | None:
+        def stack(field: str) -> torch.Tensor | None:
             parts = [getattr(c, field) for c in calls]
             return None if parts[0] is None else torch.stack(parts)
 
-        out = cls(
-            *(torch.stack([getattr(c, f) for c in calls]) for f in ("max_logit", "entropy_sum", "rows"))
-        )
-        out.first_sum, out.sink_sum = rows("first_sum"), rows("sink_sum")
-        return out
+        max_logit, entropy_sum, rows = (stack(f) for f in ("max_logit", "entropy_sum", "rows"))
+        assert max_logit is not None and entropy_sum is not None and rows is not None
+        return cls(max_logit, entropy_sum, rows, stack("first_sum"), stack("sink_sum"))
 
     def sink_mass(self) -> torch.Tensor | None:
         """(H,) mean probability on the sink logits per head (None without sinks)."""

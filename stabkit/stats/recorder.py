@@ -26,6 +26,7 @@ monitoring, the activation probe's per-module finishing cost ~4 % of a step; bat
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Literal
@@ -91,24 +92,17 @@ class _Repeats:
 
     @staticmethod
     def of(names: tuple[str, ...], device: torch.device) -> _Repeats:
-        first: dict[str, int] = {}
-        index: list[int] = []
-        last: list[int] = []
-        for i, name in enumerate(names):
-            u = first.setdefault(name, len(first))
-            index.append(u)
-            if u == len(last):
-                last.append(i)
-            last[u] = i
-        counts = [0] * len(first)
-        for u in index:
-            counts[u] += 1
+        unique = {name: u for u, name in enumerate(dict.fromkeys(names))}  # in order of first record
+        last = {name: i for i, name in enumerate(names)}  # keeps first-record order, holds the last i
+        counts = Counter(names)
         return _Repeats(
-            tuple(first),
-            tuple(counts),
-            torch.tensor(index).to(device, non_blocking=True),
-            torch.tensor(last).to(device, non_blocking=True),
-            torch.tensor(counts, dtype=torch.float32).to(device, non_blocking=True),
+            tuple(unique),
+            tuple(counts[name] for name in unique),
+            torch.tensor([unique[name] for name in names]).to(device, non_blocking=True),
+            torch.tensor(list(last.values())).to(device, non_blocking=True),
+            torch.tensor([counts[name] for name in unique], dtype=torch.float32).to(
+                device, non_blocking=True
+            ),
         )
 
     def fold(self, values: torch.Tensor, combine: Combine) -> torch.Tensor:
