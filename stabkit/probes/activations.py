@@ -25,7 +25,7 @@ from ..stats import tensor_stats
 from ..stats.opaque import TENSOR_COMBINES
 from ..stats.recorder import Reduction
 from ..stats.tensor_batch import TensorReductions, by_device, finish_tensors, reduce_tensor
-from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
+from .base import Probe, ProbeContext, first_tensor, guarded, reduce_plain, select_modules
 
 TENSOR_REDUCTIONS: tuple[Reduction, ...] = ("rms", "max", "sum")
 """Cross-rank reductions of rms, abs-max and the non-finite count."""
@@ -98,7 +98,7 @@ class ActivationProbe(Probe):
         if last is not None and last[0]() is x:
             kept = last[1]
         else:
-            kept = reduce_tensor(x)
+            kept = reduce_plain(reduce_tensor, x)
             self._last = (weakref.ref(x), kept)
         self._kept.append((names, kept))
         ctx.recorder.defer(self._finish)

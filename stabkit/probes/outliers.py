@@ -12,7 +12,9 @@ it serves the ``act`` family. Per block ``b`` (definitions: `stabkit.stats.outli
 
 The largest |x| itself is the activation probe's ``act/<b>/absmax``. Under ``torch.compile`` the
 statistics come from the opaque op ``torch.ops.stabkit.outlier_stats`` (`stabkit.stats.opaque`: the
-eager code, one graph output; a gated phase's op decides at run time). No host sync.
+eager code, one graph output; a gated phase's op decides at run time), or, measured on every step
+(full monitoring), from the same code traced into the graph, where Inductor reads the block output
+for them in the kernels that write it. No host sync.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, local
-from ..stats.opaque import OUTLIER_COMBINES
+from ..stats.opaque import OUTLIER_COMBINES, outlier_values
 from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
+from .activations import TRACE_EVERY_STEP
 from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
 
 STATS = ("massive_ratio", "massive_dim", "kurtosis")
@@ -63,6 +66,19 @@ class OutlierProbe(Probe):
 
         return hook
 
+    def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """Under torch.compile: the packed statistics of block output `x` and the cadence the Recorder
+        gates them by — measured on every step (``every`` 1) as graph ops that Inductor fuses into
+        the block's own kernels (as the activation probe does, `activations.TRACE_EVERY_STEP`), else
+        from the opaque op ``torch.ops.stabkit.outlier_stats``, which a gated phase asks at run time."""
+        ctx = self.ctx
+        assert ctx is not None
+        phase, every = ctx.phase, ctx.config.every
+        if every == 1 and TRACE_EVERY_STEP:
+            return outlier_values(x), None
+        packed = torch.ops.stabkit.outlier_stats(x, phase.gate, every)
+        return packed, every if phase.gated else None
+
     @guarded
     def _measure(self, names: tuple[str, ...], output: Any) -> None:
         """Forward hook body (after a block's forward, in a sampled training forward)."""
@@ -72,10 +88,7 @@ class OutlierProbe(Probe):
         if is_dtensor(x):  # tensor parallel: this rank's piece
             x = local(x)
         if torch.compiler.is_compiling():
-            phase, every = ctx.phase, ctx.config.every
-            packed = torch.ops.stabkit.outlier_stats(x.detach(), phase.gate, every)
-            cadence = every if phase.gated else None
-            ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, packed, cadence)
+            ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, *self._traced(x.detach()))
             return
         kept = reduce_outliers(x)
         if kept is None:

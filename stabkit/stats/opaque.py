@@ -132,8 +132,14 @@ def outlier_stats_packed(x: torch.Tensor, gate: int, every: int) -> torch.Tensor
     if not gate_open(gate, every):
         return torch.zeros(4, device=x.device)
     with torch.no_grad():
-        ratio, dim, kurtosis = outlier_stats(x)
-        return torch.stack([ratio, dim, kurtosis, torch.ones((), device=ratio.device)])
+        return outlier_values(x)
+
+
+def outlier_values(x: torch.Tensor) -> torch.Tensor:
+    """(4,) float32: `outlier_stats` of `x` packed with the count 1 (the op's result; traced into the
+    graph itself when a probe measures every step)."""
+    ratio, dim, kurtosis = outlier_stats(x)
+    return torch.stack([ratio, dim, kurtosis, torch.ones((), device=ratio.device)])
 
 
 @opaque_fake("outlier_stats")

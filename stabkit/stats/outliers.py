@@ -126,10 +126,14 @@ def _finish(
 def _token_and_channel_sums(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Of (N, D) `flat`: per token the max |x| and the mean |x| (float32, (N,)), per channel the sum of
     squares ((D,), float32 — float64 for a float64 input, whose precision it keeps), over blocks of
-    tokens of at most `CHUNK_ELEMENTS` entries."""
+    tokens of at most `CHUNK_ELEMENTS` entries (traced by Dynamo: in one block, which Inductor reads
+    without making |x|, and no loop over a length that may vary)."""
     n, d = flat.shape
     wide = flat.dtype.itemsize > 4
     acc = flat.dtype if wide else torch.float32
+    if torch.compiler.is_compiling():  # traced into the graph: Inductor fuses the reductions, no |x| made
+        mag = flat.abs() if flat.dtype == acc else flat.to(acc).abs()
+        return mag.amax(dim=-1).float(), mag.sum(dim=-1).float() / d, (mag * mag).sum(dim=0)
     rows = max(1, CHUNK_ELEMENTS // d)
     tops: list[torch.Tensor] = []
     sums: list[torch.Tensor] = []

@@ -3,7 +3,10 @@
 - Attention: the one-block path (`attention_fast`) is bitwise the blocked path on finite logits, for
   causal and unmasked calls, GQA, half/double precision, soft caps and every sampling; calls it does
   not take (a bias, a boolean mask) go to the blocked path.
-- Outliers: `outlier_stats` over token blocks equals one block and a float64 hand computation.
+- The compiled attention op on a CPU reads its round and measures the eager sample on the one-block
+  path: bitwise the eager numbers (the round on the device, index tensors, gives them within rounding).
+- Outliers: `outlier_stats` over token blocks equals one block and a float64 hand computation; traced
+  and compiled by Inductor (what full monitoring does under torch.compile) it gives the same values.
 - Update norms: Adam(W) rebuilt in foreach batches (several batches, one) equals the real change.
 - Unit norms: the per-unit L2 of a subset of parameters equals the unit-by-unit sums.
 """
@@ -17,10 +20,11 @@ import torch
 from zoo import batch, lm_loss, reference_gpt
 
 from stabkit.attention.call import QKCall
-from stabkit.probes import attention_fast, attention_measure, updates
+from stabkit.probes import attention_fast, attention_measure, attention_op, updates
 from stabkit.probes.attention_stats import Sampling
 from stabkit.probes.unit_norms import UnitNorms
 from stabkit.stats import outliers
+from stabkit.stats.opaque import outlier_values
 from stabkit.stats.outliers import outlier_stats
 
 FIELDS = ("max_logit", "entropy_sum", "rows", "first_sum")
@@ -73,6 +77,48 @@ def test_calls_the_one_block_path_does_not_take_go_to_the_blocked_path(
     assert taken == [1]
 
 
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_op_on_a_cpu_measures_the_eager_sample_bitwise(
+    causal: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    g = torch.Generator().manual_seed(7)
+    q = (torch.randn(6, 32, 4, 16, generator=g) * 3).transpose(1, 2)  # (B, H, L, E) strided
+    k = (torch.randn(6, 32, 2, 16, generator=g) * 3).transpose(1, 2)
+    taken: list[int] = []
+    original = attention_fast.measure_one_block
+    monkeypatch.setattr(
+        attention_fast, "measure_one_block", lambda *a, **kw: taken.append(1) or original(*a, **kw)
+    )
+    for round_ in (0, 1, 5):
+        call = QKCall(q, k, None, causal=causal)
+        eager = attention_measure.measure(call, Sampling(2, 8, round=round_), None, 1 << 30)
+        want = attention_op.packed(attention_op.summary_values(eager, None, None, True))
+        args = (
+            q,
+            k,
+            None,
+            None,
+            None,
+            torch.tensor(round_),
+            causal,
+            None,
+            None,
+            None,
+            None,
+            2,
+            8,
+            1 << 30,
+            True,
+        )
+        got = torch.ops.stabkit.attention_qk(*args, -1, 1)
+        assert torch.equal(got, want)
+        on_device = Sampling(2, 8, counter=torch.tensor(round_))  # an accelerator's path: index tensors
+        indexed = attention_measure.measure(call, on_device, None, 1 << 30)
+        by_index = attention_op.packed(attention_op.summary_values(indexed, None, None, True))
+        torch.testing.assert_close(by_index, want, rtol=1e-6, atol=1e-6)
+    assert len(taken) == 2 * 3  # the eager sample and the op's, each round; never the index tensors
+
+
 def test_one_block_nan_key_makes_only_its_head_nan() -> None:
     q, k = torch.randn(1, 2, 9, 4) * 4, torch.randn(1, 2, 9, 4) * 4
     k[0, 1, 6] = torch.nan
@@ -111,6 +157,18 @@ def test_outlier_stats_in_token_blocks_equal_one_block_and_a_hand_computation(
     got = [float(v) for v in whole]
     assert got[0] == pytest.approx(want[0], rel=1e-5) and got[1] == want[1] == 5.0
     assert got[2] == pytest.approx(want[2], rel=1e-4)
+
+
+def test_outlier_statistics_compiled_by_inductor_equal_eager() -> None:
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(4, 900, 96, generator=g)  # more entries than one eager block: the eager code loops
+    x[2, 640, 17] = 900.0  # a massive activation in channel 17
+    x[..., 3] *= 12  # an outlier feature
+    assert x.numel() > outliers.CHUNK_ELEMENTS
+    eager = outlier_values(x)
+    compiled = torch.compile(outlier_values, backend="inductor", fullgraph=True)(x)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
+    assert float(eager[1]) == 17.0 and float(eager[0]) > 500 and float(eager[3]) == 1.0
 
 
 @pytest.mark.parametrize("batch_elements", [1, 5000, 1 << 30])
