@@ -25,13 +25,10 @@ from ..stats import tensor_stats
 from ..stats.opaque import TENSOR_COMBINES
 from ..stats.recorder import Reduction
 from ..stats.tensor_batch import TensorReductions, by_device, finish_tensors, reduce_tensor
-from .base import Probe, ProbeContext, first_tensor, guarded, reduce_plain, select_modules
+from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded, reduce_plain, select_modules
 
 TENSOR_REDUCTIONS: tuple[Reduction, ...] = ("rms", "max", "sum")
 """Cross-rank reductions of rms, abs-max and the non-finite count."""
-
-
-TRACE_EVERY_STEP = True
 
 
 class ActivationProbe(Probe):

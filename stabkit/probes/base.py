@@ -37,6 +37,12 @@ from .forwards import TrainingForwards
 from .phase import StepPhase
 
 T = TypeVar("T")
+
+TRACE_EVERY_STEP = True
+"""Under ``torch.compile``, statistics measured on every step (``every`` 1: full monitoring) are traced
+into the model's graph as tensor ops, which Inductor fuses into the kernels that write the tensors
+they read; measured on sampled steps, they come from opaque ops a gated phase asks at run time
+(`stabkit.stats.opaque`). False: opaque ops always (a switch for comparing the two)."""
 F = TypeVar("F", bound=Callable[..., Any])
 
 

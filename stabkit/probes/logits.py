@@ -10,7 +10,8 @@ Under tensor parallelism with loss parallel the logits are a DTensor sharded ove
 `dtensor_logit_stats` completes each row's log Z with one small all-gather.
 
 Under ``torch.compile`` the hook is traced into the sampled graph and measures through the opaque
-op ``torch.ops.stabkit.logit_stats`` (`stabkit.stats.opaque`: the eager code, one graph output).
+op ``torch.ops.stabkit.logit_stats`` (`stabkit.stats.opaque`: the eager code, one graph output), or,
+measured on every step (full monitoring), through the same code traced into the graph.
 """
 
 from __future__ import annotations
@@ -23,10 +24,10 @@ from torch import nn
 
 from ..distributed import is_dtensor
 from ..stats import logit_stats
-from ..stats.opaque import LOGIT_COMBINES
+from ..stats.opaque import LOGIT_COMBINES, logit_values
 from ..stats.recorder import Reduction
 from ..stats.reductions import logz_chunk_rows
-from .base import Probe, ProbeContext, first_tensor, guarded
+from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded
 
 NAMES = ("logits/max_abs", "logits/logz_mean", "logits/logz_max", "logits/mean")
 REDUCTIONS: tuple[Reduction, ...] = ("max", "mean", "max", "mean")
@@ -57,15 +58,25 @@ class LogitProbe(Probe):
         if logits is not None:
             self._measure(logits)
 
+    def _traced(self, logits: torch.Tensor) -> tuple[torch.Tensor, int | None]:
+        """Under torch.compile: the packed statistics and the cadence the Recorder gates them by —
+        measured on every step (``every`` 1) as graph ops (`base.TRACE_EVERY_STEP`: log Z in one
+        reduction Inductor fuses with the float cast), else from the opaque op
+        ``torch.ops.stabkit.logit_stats``, which a gated phase asks at run time."""
+        ctx = self.ctx
+        assert ctx is not None
+        phase, every = ctx.phase, ctx.config.every
+        if every == 1 and TRACE_EVERY_STEP and not is_dtensor(logits):
+            return logit_values(logits), None
+        return torch.ops.stabkit.logit_stats(logits, phase.gate, every), every if phase.gated else None
+
     @guarded
     def _measure(self, output: Any) -> None:
         """Forward hook body (after the module that yields the final logits, sampled training forwards)."""
         ctx = self.ctx
         assert ctx is not None
-        if torch.compiler.is_compiling():  # one opaque op, one graph output
-            phase, every = ctx.phase, ctx.config.every
-            packed = torch.ops.stabkit.logit_stats(first_tensor(output).detach(), phase.gate, every)
-            gated = every if phase.gated else None
+        if torch.compiler.is_compiling():  # one graph output
+            packed, gated = self._traced(first_tensor(output).detach())
             ctx.recorder.add_packed(NAMES, LOGIT_COMBINES, REDUCTIONS, packed, every=gated)
             return
         logits = first_tensor(output)

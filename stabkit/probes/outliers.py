@@ -28,8 +28,7 @@ from ..distributed import is_dtensor, local
 from ..stats.opaque import OUTLIER_COMBINES, outlier_values
 from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
-from .activations import TRACE_EVERY_STEP
-from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
+from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded, select_modules
 
 STATS = ("massive_ratio", "massive_dim", "kurtosis")
 """The statistics of a block output, in `outlier_stats` order."""
@@ -69,7 +68,7 @@ class OutlierProbe(Probe):
     def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
         """Under torch.compile: the packed statistics of block output `x` and the cadence the Recorder
         gates them by — measured on every step (``every`` 1) as graph ops that Inductor fuses into
-        the block's own kernels (as the activation probe does, `activations.TRACE_EVERY_STEP`), else
+        the block's own kernels (`base.TRACE_EVERY_STEP`), else
         from the opaque op ``torch.ops.stabkit.outlier_stats``, which a gated phase asks at run time."""
         ctx = self.ctx
         assert ctx is not None

@@ -115,9 +115,15 @@ def logit_stats_packed(logits: torch.Tensor, gate: int, every: int) -> torch.Ten
     if not gate_open(gate, every):
         return torch.zeros(5, device=logits.device)
     with torch.no_grad():
-        values = logit_stats(logits)
-        one = torch.ones((), device=values[0].device)
-        return torch.stack([*(v.reshape(()).float() for v in values), one])
+        return logit_values(logits)
+
+
+def logit_values(logits: torch.Tensor) -> torch.Tensor:
+    """(5,) float32: `logit_stats` of `logits` packed with the count 1 (the op's result; traced into
+    the graph itself when the probe measures every step)."""
+    values = logit_stats(logits)
+    one = torch.ones((), device=values[0].device)
+    return torch.stack([*(v.reshape(()).float() for v in values), one])
 
 
 @opaque_fake("logit_stats")

@@ -6,7 +6,8 @@
 - The compiled attention op on a CPU reads its round and measures the eager sample on the one-block
   path: bitwise the eager numbers (the round on the device, index tensors, gives them within rounding).
 - Outliers: `outlier_stats` over token blocks equals one block and a float64 hand computation; traced
-  and compiled by Inductor (what full monitoring does under torch.compile) it gives the same values.
+  and compiled by Inductor (what full monitoring does under torch.compile) it gives the same values;
+  so do the output-logit statistics, against a float64 hand computation.
 - Update norms: Adam(W) rebuilt in foreach batches (several batches, one) equals the real change.
 - Unit norms: the per-unit L2 of a subset of parameters equals the unit-by-unit sums.
 """
@@ -24,8 +25,9 @@ from stabkit.probes import attention_fast, attention_measure, attention_op, upda
 from stabkit.probes.attention_stats import Sampling
 from stabkit.probes.unit_norms import UnitNorms
 from stabkit.stats import outliers
-from stabkit.stats.opaque import outlier_values
+from stabkit.stats.opaque import logit_values, outlier_values
 from stabkit.stats.outliers import outlier_stats
+from stabkit.stats.reductions import LOGZ_CHUNK_BYTES
 
 FIELDS = ("max_logit", "entropy_sum", "rows", "first_sum")
 CASES = list(
@@ -169,6 +171,18 @@ def test_outlier_statistics_compiled_by_inductor_equal_eager() -> None:
     compiled = torch.compile(outlier_values, backend="inductor", fullgraph=True)(x)
     torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=0)
     assert float(eager[1]) == 17.0 and float(eager[0]) > 500 and float(eager[3]) == 1.0
+
+
+def test_logit_statistics_compiled_by_inductor_equal_eager() -> None:
+    logits = torch.randn(3, 700, 1000, generator=torch.Generator().manual_seed(6)) * 4
+    logits[1, 5, 999] = -80.0  # the largest |logit|
+    assert logits.numel() * 4 > 2 * LOGZ_CHUNK_BYTES  # the eager code takes row chunks
+    eager = logit_values(logits)
+    compiled = torch.compile(logit_values, backend="inductor", fullgraph=True)(logits)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+    logz = torch.logsumexp(logits.double(), dim=-1)
+    want = [80.0, float(logz.mean()), float(logz.max()), float(logits.double().mean()), 1.0]
+    assert [float(v) for v in eager] == pytest.approx(want, rel=1e-5, abs=1e-6)
 
 
 @pytest.mark.parametrize("batch_elements", [1, 5000, 1 << 30])
