@@ -7,7 +7,7 @@ norm and a min/max, `stabkit.stats.tensor_batch`); the statistics of all outputs
 together, as vectors, when the step's statistics are first read (`Recorder.defer`). The block modules' outputs are the residual stream after each
 block, so `act/<block>/rms` is the residual-stream RMS.
 
-Under ``torch.compile`` the hook is traced into the model's graph (`ActivationProbe._traced`): sampled
+Under ``torch.compile`` the hook is traced into the model's graph (`ProbeContext.compiled_values`): sampled
 statistics through the opaque op ``torch.ops.stabkit.tensor_stats`` (`stabkit.stats.opaque`: the eager
 code, one graph output), statistics of every step as graph ops Inductor fuses.
 """
@@ -21,11 +21,10 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, plain
-from ..stats import tensor_stats
-from ..stats.opaque import TENSOR_COMBINES
+from ..stats.opaque import TENSOR_COMBINES, tensor_values
 from ..stats.recorder import Reduction
 from ..stats.tensor_batch import TensorReductions, by_device, finish_tensors, reduce_tensor
-from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded, reduce_plain, select_modules
+from .base import Probe, ProbeContext, first_tensor, guarded, reduce_plain, select_modules
 
 TENSOR_REDUCTIONS: tuple[Reduction, ...] = ("rms", "max", "sum")
 """Cross-rank reductions of rms, abs-max and the non-finite count."""
@@ -65,21 +64,6 @@ class ActivationProbe(Probe):
 
         return hook
 
-    def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """Under torch.compile: the packed statistics of `x` and the cadence the Recorder gates them
-        by. Measured on every step (``every`` 1): as graph ops, which Inductor fuses into the model's
-        own kernels (one pass over data already in cache). Sampled: one opaque op
-        (``torch.ops.stabkit.tensor_stats``, `stabkit.stats.opaque`), which a gated phase asks at
-        run time, so the one graph serves every step and compiles within ~10 % of the bare model."""
-        ctx = self.ctx
-        assert ctx is not None
-        phase, every = ctx.phase, ctx.config.every
-        if every == 1 and TRACE_EVERY_STEP:
-            rms, absmax, nonfinite = tensor_stats(x)
-            return torch.stack([rms * rms, absmax, nonfinite, torch.ones_like(rms)]), None
-        packed = torch.ops.stabkit.tensor_stats(x.detach(), phase.gate, every)  # a repeated call is CSE'd
-        return packed, every if phase.gated else None
-
     @guarded
     def _measure(self, names: tuple[str, str, str], output: Any) -> None:
         """Forward hook body (after the module's forward, in a sampled training forward)."""
@@ -88,8 +72,13 @@ class ActivationProbe(Probe):
         x = first_tensor(output)
         if is_dtensor(x):  # tensor parallel (use_local_output=False): this rank's piece, no sum pending
             x = plain(x)
-        if torch.compiler.is_compiling():
-            ctx.recorder.add_packed(names, TENSOR_COMBINES, TENSOR_REDUCTIONS, *self._traced(x))
+        if torch.compiler.is_compiling():  # every step: fused graph ops; sampled: one opaque op
+            x = x.detach()
+            values = ctx.compiled_values(
+                lambda: tensor_values(x),
+                lambda gate, every: torch.ops.stabkit.tensor_stats(x, gate, every),  # repeats are CSE'd
+            )
+            ctx.recorder.add_packed(names, TENSOR_COMBINES, TENSOR_REDUCTIONS, *values)
             return
         last = self._last
         if last is not None and last[0]() is x:

@@ -94,6 +94,19 @@ class ProbeContext:
             return True
         return self.phase.on(every or self.config.every)
 
+    def compiled_values(
+        self, every_step: Callable[[], torch.Tensor] | None, opaque: Callable[[int, int], torch.Tensor]
+    ) -> tuple[torch.Tensor, int | None]:
+        """Under torch.compile, in a probe's traced hook: a packed statistics vector and the cadence
+        the Recorder gates it by (`Recorder.add_packed`). Measured on every step (``every`` 1, and
+        `TRACE_EVERY_STEP`): `every_step()`, graph ops Inductor fuses into the kernels that write the
+        tensor they read (None: not traceable, e.g. a DTensor). Else ``opaque(gate, every)``: the
+        probe's opaque op, which a gated phase asks at run time, so one graph serves every step."""
+        phase, every = self.phase, self.config.every
+        if every == 1 and TRACE_EVERY_STEP and every_step is not None:
+            return every_step(), None
+        return opaque(phase.gate, every), every if phase.gated else None
+
     def close(self) -> None:
         """At detach: the phase's gate closes (compiled code that still runs measures nothing)."""
         self.phase.close()

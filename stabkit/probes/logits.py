@@ -27,7 +27,7 @@ from ..stats import logit_stats
 from ..stats.opaque import LOGIT_COMBINES, logit_values
 from ..stats.recorder import Reduction
 from ..stats.reductions import logz_chunk_rows
-from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded
+from .base import Probe, ProbeContext, first_tensor, guarded
 
 NAMES = ("logits/max_abs", "logits/logz_mean", "logits/logz_max", "logits/mean")
 REDUCTIONS: tuple[Reduction, ...] = ("max", "mean", "max", "mean")
@@ -58,25 +58,17 @@ class LogitProbe(Probe):
         if logits is not None:
             self._measure(logits)
 
-    def _traced(self, logits: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """Under torch.compile: the packed statistics and the cadence the Recorder gates them by —
-        measured on every step (``every`` 1) as graph ops (`base.TRACE_EVERY_STEP`: log Z in one
-        reduction Inductor fuses with the float cast), else from the opaque op
-        ``torch.ops.stabkit.logit_stats``, which a gated phase asks at run time."""
-        ctx = self.ctx
-        assert ctx is not None
-        phase, every = ctx.phase, ctx.config.every
-        if every == 1 and TRACE_EVERY_STEP and not is_dtensor(logits):
-            return logit_values(logits), None
-        return torch.ops.stabkit.logit_stats(logits, phase.gate, every), every if phase.gated else None
-
     @guarded
     def _measure(self, output: Any) -> None:
         """Forward hook body (after the module that yields the final logits, sampled training forwards)."""
         ctx = self.ctx
         assert ctx is not None
-        if torch.compiler.is_compiling():  # one graph output
-            packed, gated = self._traced(first_tensor(output).detach())
+        if torch.compiler.is_compiling():  # every step: fused graph ops; sampled: one opaque op
+            x = first_tensor(output).detach()
+            packed, gated = ctx.compiled_values(
+                None if is_dtensor(x) else lambda: logit_values(x),
+                lambda gate, every: torch.ops.stabkit.logit_stats(x, gate, every),
+            )
             ctx.recorder.add_packed(NAMES, LOGIT_COMBINES, REDUCTIONS, packed, every=gated)
             return
         logits = first_tensor(output)

@@ -28,7 +28,7 @@ from ..distributed import is_dtensor, local
 from ..stats.opaque import OUTLIER_COMBINES, outlier_values
 from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
-from .base import TRACE_EVERY_STEP, Probe, ProbeContext, first_tensor, guarded, select_modules
+from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
 
 STATS = ("massive_ratio", "massive_dim", "kurtosis")
 """The statistics of a block output, in `outlier_stats` order."""
@@ -65,19 +65,6 @@ class OutlierProbe(Probe):
 
         return hook
 
-    def _traced(self, x: torch.Tensor) -> tuple[torch.Tensor, int | None]:
-        """Under torch.compile: the packed statistics of block output `x` and the cadence the Recorder
-        gates them by — measured on every step (``every`` 1) as graph ops that Inductor fuses into
-        the block's own kernels (`base.TRACE_EVERY_STEP`), else
-        from the opaque op ``torch.ops.stabkit.outlier_stats``, which a gated phase asks at run time."""
-        ctx = self.ctx
-        assert ctx is not None
-        phase, every = ctx.phase, ctx.config.every
-        if every == 1 and TRACE_EVERY_STEP:
-            return outlier_values(x), None
-        packed = torch.ops.stabkit.outlier_stats(x, phase.gate, every)
-        return packed, every if phase.gated else None
-
     @guarded
     def _measure(self, names: tuple[str, ...], output: Any) -> None:
         """Forward hook body (after a block's forward, in a sampled training forward)."""
@@ -86,8 +73,12 @@ class OutlierProbe(Probe):
         x = first_tensor(output)
         if is_dtensor(x):  # tensor parallel: this rank's piece
             x = local(x)
-        if torch.compiler.is_compiling():
-            ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, *self._traced(x.detach()))
+        if torch.compiler.is_compiling():  # every step: fused graph ops; sampled: one opaque op
+            x = x.detach()
+            values = ctx.compiled_values(
+                lambda: outlier_values(x), lambda gate, every: torch.ops.stabkit.outlier_stats(x, gate, every)
+            )
+            ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, *values)
             return
         kept = reduce_outliers(x)
         if kept is None:

@@ -99,9 +99,15 @@ def tensor_stats_packed(x: torch.Tensor, gate: int, every: int) -> torch.Tensor:
     if not gate_open(gate, every):
         return torch.zeros(4, device=x.device)
     with torch.no_grad():
-        rms, absmax, nonfinite = tensor_stats(x)
-        one = torch.ones((), device=rms.device)
-        return torch.stack([rms * rms, absmax, nonfinite.to(rms.device), one])
+        return tensor_values(x)
+
+
+def tensor_values(x: torch.Tensor) -> torch.Tensor:
+    """(4,) float32: `tensor_stats` of `x` as rms², abs-max, non-finite count and the count 1 (the
+    op's result; traced into the graph itself when a probe measures every step)."""
+    rms, absmax, nonfinite = tensor_stats(x)
+    one = torch.ones((), device=rms.device)
+    return torch.stack([rms * rms, absmax, nonfinite.to(rms.device), one])
 
 
 @opaque_fake("tensor_stats")
