@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from ..attention.call import LogitsCall, QKCall
-from ..stats.opaque import gate_open, opaque_fake, opaque_op
+from ..stats.opaque import gate_open, opaque_fake, opaque_op, packed
 from ..stats.recorder import Combine, Reduction
 from .attention_measure import measure
 from .attention_stats import HeadStats, Sampling, uncap
@@ -74,12 +74,6 @@ def summary_values(
             if sink is not None:
                 out.append(sink[..., h])
     return out
-
-
-def packed(values: list[torch.Tensor]) -> torch.Tensor:
-    """`values` and the count 1, as one float32 vector (`Recorder.add_packed`)."""
-    one = torch.ones((), device=values[0].device)
-    return torch.stack([*(v.reshape(()).float() for v in values), one])
 
 
 def op_sampling(rows: int | None, queries: int | None, round_: torch.Tensor) -> Sampling:

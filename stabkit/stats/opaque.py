@@ -102,12 +102,18 @@ def tensor_stats_packed(x: torch.Tensor, gate: int, every: int) -> torch.Tensor:
         return tensor_values(x)
 
 
+def packed(values: list[torch.Tensor]) -> torch.Tensor:
+    """`values` (0-d, on one device) and the count 1, as one float32 vector (`Recorder.add_packed`):
+    what every stabkit op returns, and what a probe traces in its place."""
+    one = torch.ones((), device=values[0].device)
+    return torch.stack([*(v.reshape(()).float() for v in values), one])
+
+
 def tensor_values(x: torch.Tensor) -> torch.Tensor:
     """(4,) float32: `tensor_stats` of `x` as rms², abs-max, non-finite count and the count 1 (the
     op's result; traced into the graph itself when a probe measures every step)."""
     rms, absmax, nonfinite = tensor_stats(x)
-    one = torch.ones((), device=rms.device)
-    return torch.stack([rms * rms, absmax, nonfinite.to(rms.device), one])
+    return packed([rms * rms, absmax, nonfinite.to(rms.device)])
 
 
 @opaque_fake("tensor_stats")
@@ -127,9 +133,7 @@ def logit_stats_packed(logits: torch.Tensor, gate: int, every: int) -> torch.Ten
 def logit_values(logits: torch.Tensor) -> torch.Tensor:
     """(5,) float32: `logit_stats` of `logits` packed with the count 1 (the op's result; traced into
     the graph itself when the probe measures every step)."""
-    values = logit_stats(logits)
-    one = torch.ones((), device=values[0].device)
-    return torch.stack([*(v.reshape(()).float() for v in values), one])
+    return packed(list(logit_stats(logits)))
 
 
 @opaque_fake("logit_stats")
@@ -150,8 +154,7 @@ def outlier_stats_packed(x: torch.Tensor, gate: int, every: int) -> torch.Tensor
 def outlier_values(x: torch.Tensor) -> torch.Tensor:
     """(4,) float32: `outlier_stats` of `x` packed with the count 1 (the op's result; traced into the
     graph itself when a probe measures every step)."""
-    ratio, dim, kurtosis = outlier_stats(x)
-    return torch.stack([ratio, dim, kurtosis, torch.ones((), device=ratio.device)])
+    return packed(list(outlier_stats(x)))
 
 
 @opaque_fake("outlier_stats")
