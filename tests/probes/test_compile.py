@@ -248,3 +248,38 @@ def test_inductor_training_unchanged_and_statistics_close() -> None:
     assert losses == pytest.approx(bare, abs=1e-5)
     assert graphs == [1, 1, 1, 1]
     assert_same_rows(rows, eager_rows, rel=1e-4)
+
+
+def test_a_traced_statistic_that_fails_warns_once_and_training_goes_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Full monitoring traces the outlier statistics into the graph: when they cannot be computed for
+    a model's block outputs, the probe warns once, stops, and the compiled training and the other
+    statistics go on."""
+    import stabkit.probes.outliers as outlier_probe
+
+    def unreadable(x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("a block output these statistics cannot read")
+
+    monkeypatch.setattr(outlier_probe, "outlier_values", unreadable)
+    torch.manual_seed(0)
+    model = reference_gpt(n_layers=1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mon = stabkit.attach(model, opt, config=config("full", detect=None))
+    compiled = torch.compile(model, backend="aot_eager")
+    losses = []
+    with pytest.warns(RuntimeWarning, match="probe 'outliers' failed") as caught:
+        for step in range(3):
+            x, y = batch(step)
+            loss = lm_loss(compiled(x), y)
+            loss.backward()
+            opt.step()
+            mon.step(loss)
+            opt.zero_grad()
+            losses.append(float(loss.detach()))
+    assert sum("probe 'outliers' failed" in str(w.message) for w in caught) == 1
+    mon.flush()
+    row = dict(mon.history)[2]
+    assert all(math.isfinite(v) for v in losses)
+    assert any(k.endswith("/rms") for k in row) and not any("massive" in k for k in row)
+    mon.detach()
