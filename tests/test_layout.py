@@ -24,6 +24,7 @@ CROSS_CUTTING = {
     "docs": "the docs site builds and its examples run as written",
     "reliability": "real training scripts, crashes, signals, full disks, odd inputs",
     "standins": "pure-PyTorch stand-ins for GPU attention libraries and the float64 reference",
+    "device": "the standing GPU checks (run_checks.sh on a lent CUDA device), each with its CPU twin",
 }
 HELPER_FOLDERS = {"dist_workers", "zoo_models", "__pycache__"}  # no tests inside: run or imported by tests
 

@@ -18,7 +18,9 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
     """Median ms/step (wall), min–max, ratio to bare (wall and CPU time), memory, budget verdicts."""
     cfg = result.config
     judged = "CPU-time" if cfg["device"] == "cpu" else "wall-clock"
-    shape = "" if cfg.get("seq_len") is None else f" seq_len={cfg['seq_len']} batch={cfg.get('batch')}"
+    shape = "" if cfg.get("d_model") is None else f" d_model={cfg['d_model']}"
+    if cfg.get("seq_len") is not None or cfg.get("batch_size") is not None or cfg.get("d_model") is not None:
+        shape += f" seq_len={cfg.get('seq_len') or 'preset'} batch={cfg.get('batch')}"
     compiled = bool(cfg.get("compile"))
     budget = COMPILED_BUDGET if compiled else BUDGET
     head = (

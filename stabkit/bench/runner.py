@@ -74,6 +74,9 @@ class BenchConfig:
     seq_len: int | None = None
     """Sequence length T: the model's context (None = the preset's). Without `batch_size`, a step keeps
     the preset's tokens (batch × context) in T-long sequences, at least one (long-context memory)."""
+    d_model: int | None = None
+    """Model width (None = the preset's): the preset with this d_model, its head dimension kept (more
+    heads), everything else the same — how monitoring's share changes with width."""
     variants: tuple[str, ...] = VARIANTS
     """Which variants to run (bare is always run)."""
     seed: int = 0
@@ -87,6 +90,15 @@ class BenchConfig:
             raise ValueError("bench: --steps and --repeats must be >= 1 (warmup >= 0)")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
             raise ValueError(f"bench: --seq-len must be an integer >= 1, got {self.seq_len!r}")
+        if self.batch_size is not None and (not isinstance(self.batch_size, int) or self.batch_size < 1):
+            raise ValueError(f"bench: --batch-size must be an integer >= 1, got {self.batch_size!r}")
+        if self.d_model is not None:
+            head_dim = preset_head_dim(self.size)
+            if not isinstance(self.d_model, int) or self.d_model < 1 or self.d_model % head_dim:
+                raise ValueError(
+                    f"bench: --d-model must be a positive multiple of the {self.size} preset's head "
+                    f"dimension {head_dim}, got {self.d_model!r}"
+                )
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"bench: --device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
@@ -300,8 +312,18 @@ def dynamo_counts() -> tuple[int, int]:
 
 
 def model_config(cfg: BenchConfig) -> GPTConfig:
-    """The benchmarked model: the preset, with `seq_len` as its context when given."""
-    return preset_config(cfg.size, **({} if cfg.seq_len is None else {"context": cfg.seq_len}))
+    """The benchmarked model: the preset, with `seq_len` as its context and `d_model` as its width
+    (heads of the preset's head dimension) when given."""
+    overrides: dict[str, Any] = {} if cfg.seq_len is None else {"context": cfg.seq_len}
+    if cfg.d_model is not None:
+        overrides.update(d_model=cfg.d_model, n_heads=cfg.d_model // preset_head_dim(cfg.size))
+    return preset_config(cfg.size, **overrides)
+
+
+def preset_head_dim(size: str) -> int:
+    """The head dimension of preset `size` (d_model / n_heads)."""
+    preset = preset_config(size)
+    return preset.d_model // preset.n_heads
 
 
 def batch_size(cfg: BenchConfig) -> int:

@@ -42,6 +42,19 @@ SIZES = ("tiny", "small", "gpt2", "1b")
     help="Sequence length of the benchmarked model (its context); a step keeps the preset's tokens "
     "(at least one sequence), e.g. --size tiny --seq-len 8192 for long-context memory.  [default: the preset's]",
 )
+@click.option(
+    "--batch-size",
+    default=None,
+    type=click.IntRange(1),
+    help="Sequences per step.  [default: the preset's; with --seq-len, the preset's tokens per step]",
+)
+@click.option(
+    "--d-model",
+    default=None,
+    type=click.IntRange(1),
+    help="Model width: the preset with this d_model, its head dimension kept (more heads), e.g. "
+    "--d-model 256 for how monitoring's share falls with width.  [default: the preset's]",
+)
 @click.option("--bf16", is_flag=True, help="bf16 autocast (CUDA).")
 @click.option(
     "--variants",
@@ -74,6 +87,8 @@ def bench(
     steps: int | None,
     repeats: int | None,
     seq_len: int | None,
+    batch_size: int | None,
+    d_model: int | None,
     bf16: bool,
     variants: str,
     no_memory: bool,
@@ -101,6 +116,8 @@ def bench(
         warmup=QUICK["warmup"] if quick else BenchConfig.warmup,
         bf16=bf16,
         seq_len=seq_len,
+        batch_size=batch_size,
+        d_model=d_model,
         variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
         quick=quick,
         compile=compiled,

@@ -101,3 +101,35 @@ def test_no_host_sync_between_log_intervals_on_cuda() -> None:
             mon.step(loss)  # the one host copy of the interval happens here
         opt.zero_grad(set_to_none=True)
     mon.detach()
+
+
+def test_bench_widens_the_preset_keeping_its_head_dimension() -> None:
+    from stabkit.bench.runner import batch_size, model_config
+    from stabkit.harness.models import preset_config
+
+    small = preset_config("small")
+    wide = model_config(BenchConfig(d_model=256, batch_size=8))
+    assert (wide.d_model, wide.n_heads) == (256, 8)  # small: 128 / 4 heads -> head dim 32 kept
+    assert (wide.n_layers, wide.context, wide.vocab_size) == (small.n_layers, small.context, small.vocab_size)
+    assert batch_size(BenchConfig(d_model=256, batch_size=8)) == 8
+    assert model_config(BenchConfig()) == small
+    with pytest.raises(ValueError, match="multiple of the small preset's head dimension 32"):
+        BenchConfig(d_model=100)
+    with pytest.raises(ValueError, match="batch-size"):
+        BenchConfig(batch_size=0)
+
+
+def test_bench_cli_runs_a_wider_model_and_says_so(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "--size", "tiny", "--d-model", "128", "--batch-size", "2", "--steps", "1"]
+    result = CliRunner().invoke(
+        main,
+        [*args, "--repeats", "1", "--variants", "bare,full", "--no-memory", "--json", str(out)],
+        standalone_mode=False,
+    )
+    assert result.exit_code == 0, result.output
+    assert "size=tiny d_model=128 seq_len=preset batch=2" in result.output
+    data = json.loads(out.read_text())
+    assert data["config"]["d_model"] == 128 and data["config"]["batch"] == 2
+    bad = CliRunner().invoke(main, ["bench", "--size", "tiny", "--d-model", "100"])
+    assert bad.exit_code == 2 and "--d-model must be a positive multiple" in bad.output
