@@ -8,6 +8,8 @@ modules import the shared helpers as ``from zoo import ...``, ``from zoo_models 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import pytest
 import torch
 from cli_process import StabkitCLI
@@ -19,6 +21,20 @@ torch.set_num_threads(1)
 def stabkit_cli() -> StabkitCLI:
     """Runs ``stabkit ARGS`` in a fresh interpreter (`cli_process.StabkitCLI`)."""
     return StabkitCLI()
+
+
+@pytest.fixture
+def fresh_dynamo() -> Iterator[None]:
+    """No compiled code and empty Dynamo counters before and after the test (attach warns when it
+    finds compiled code, and graph counts read the counters)."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
 
 
 @pytest.hookimpl(tryfirst=True)

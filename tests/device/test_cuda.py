@@ -15,7 +15,7 @@ Real flash-attn is checked when it is installed (``pytest.importorskip``); the C
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -37,13 +37,7 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
 
 
-@pytest.fixture(autouse=True)
-def clean_dynamo() -> Iterator[None]:
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
-    counters.clear()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 
 class _Measure(TorchFunctionMode):

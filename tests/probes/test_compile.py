@@ -30,13 +30,10 @@ BUILDERS: dict[str, Callable[[], nn.Module]] = {"reference": reference_gpt, "hf_
 
 
 @pytest.fixture(autouse=True)
-def clean_dynamo() -> Iterator[None]:
-    """Each test starts and ends with no compiled code and empty counters (attach would warn)."""
-    torch._dynamo.reset()
-    counters.clear()
+def clean_dynamo(fresh_dynamo: None) -> Iterator[None]:
+    """Each test starts and ends with no compiled code and empty counters (attach would warn), and
+    with the phase's default gating."""
     yield
-    torch._dynamo.reset()
-    counters.clear()
     phase.GATED = None
 
 
