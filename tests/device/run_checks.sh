@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The standing GPU check, in one run on a lent CUDA device (sized for ~10 minutes on one H200):
+# The standing GPU check, in one run on a lent CUDA device (each part under a time limit, 8.5 minutes
+# at most together: one device call of 600 s holds it):
 #   1. the device tests (tests/device/test_cuda.py: real SDPA backends and FlexAttention measured
 #      exactly, observation only, Inductor full monitoring) and the CUDA sync-debug test;
 #   2. stabkit bench --device cuda --size gpt2 --bf16 (shortened rounds);
@@ -28,10 +29,10 @@ part() {  # part NAME LIMIT_S COMMAND...: run it into OUT/NAME.txt, print its ta
 }
 
 "$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/device.txt"
-part tests 240 "$py" -m pytest -q -p no:cacheprovider tests/device \
+part tests 210 "$py" -m pytest -q -p no:cacheprovider tests/device \
     tests/bench/test_bench.py::test_no_host_sync_between_log_intervals_on_cuda
-part bench 180 "$py" -m stabkit bench --device cuda --size gpt2 --bf16 --steps 10 --repeats 3 --json "$out/bench.json"
+part bench 150 "$py" -m stabkit bench --device cuda --size gpt2 --bf16 --steps 10 --repeats 3 --json "$out/bench.json"
 recipe_out="$(mktemp -d)"
-part recipe 180 "$py" -m stabkit run attention-logit-growth --size gpt2 --device cuda --steps 150 --out "$recipe_out"
+part recipe 150 "$py" -m stabkit run attention-logit-growth --size gpt2 --device cuda --steps 100 --out "$recipe_out"
 cp "$recipe_out/summary.json" "$out/recipe-summary.json" 2>/dev/null
 exit "$failed"
