@@ -180,14 +180,20 @@ def train_steps(
     mon: Any,
     steps: int,
     before_step: Callable[[int], None] = lambda step: None,
-) -> None:
-    """`steps` plain training steps on `batch(step)` with monitor `mon` (`mon.step(loss)` after the
-    optimizer step); `before_step(step)` runs first in each (e.g. to switch a fault on)."""
+    device: str = "cpu",
+) -> list[float]:
+    """`steps` plain training steps on `batch(step)` (moved to `device`) with monitor `mon`
+    (`mon.step(loss)` after the optimizer step; None: no monitor); `before_step(step)` runs first in
+    each (e.g. to switch a fault on). Returns the losses."""
+    losses = []
     for step in range(steps):
         before_step(step)
-        x, y = batch(step)
+        x, y = (t.to(device) for t in batch(step))
         loss = lm_loss(forward(x), y)
         loss.backward()
         opt.step()
         opt.zero_grad()
-        mon.step(loss)
+        if mon is not None:
+            mon.step(loss)
+        losses.append(float(loss.detach()))
+    return losses

@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from standins.reference import reference_stats
 from torch._dynamo.utils import counters
 from torch.overrides import TorchFunctionMode
-from zoo import batch, lm_loss, reference_gpt
+from zoo import reference_gpt, train_steps
 
 import stabkit
 from stabkit.attention import kernels
@@ -160,16 +160,7 @@ def _train(
     config = stabkit.MonitorConfig.full(console=False, audit=False, log_every=1000)
     mon = stabkit.attach(model, opt, config=config) if monitored else None
     forward = torch.compile(model, backend=backend) if backend else model
-    losses = []
-    for step in range(steps):
-        x, y = (t.to(device) for t in batch(step))
-        loss = lm_loss(forward(x), y)
-        loss.backward()
-        opt.step()
-        if mon is not None:
-            mon.step(loss.detach())
-        opt.zero_grad()
-        losses.append(float(loss.detach()))
+    losses = train_steps(forward, opt, mon, steps, device=device)
     rows: dict = {}
     if mon is not None:
         mon.flush()

@@ -264,16 +264,8 @@ def test_a_traced_statistic_that_fails_warns_once_and_training_goes_on(
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     mon = stabkit.attach(model, opt, config=config("full", detect=None))
     compiled = torch.compile(model, backend="aot_eager")
-    losses = []
     with pytest.warns(RuntimeWarning, match="probe 'outliers' failed") as caught:
-        for step in range(3):
-            x, y = batch(step)
-            loss = lm_loss(compiled(x), y)
-            loss.backward()
-            opt.step()
-            mon.step(loss)
-            opt.zero_grad()
-            losses.append(float(loss.detach()))
+        losses = train_steps(compiled, opt, mon, 3)
     assert sum("probe 'outliers' failed" in str(w.message) for w in caught) == 1
     mon.flush()
     row = dict(mon.history)[2]
