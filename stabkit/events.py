@@ -6,6 +6,15 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 
+SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
+"""Event severities, mildest first."""
+
+
+def severity_rank(severity: str) -> int:
+    """0 for 'info', 1 for 'warning', 2 for 'critical' (an unknown name ranks as 'warning')."""
+    return SEVERITIES.index(severity) if severity in SEVERITIES else 1
+
+
 @dataclass
 class Event:
     """A detector's finding at one step, with where it happened and what to switch on."""
@@ -26,7 +35,12 @@ class Event:
     advice: str = ""
     """Suggested intervention or setting (registry names)."""
     details: dict[str, Any] = field(default_factory=dict)
-    """Extra structured facts (pass, tensor, series...)."""
+    """Extra structured facts (pass, tensor, series, the evidence: values, window, threshold...)."""
+    severity: str = "warning"
+    """How much it matters (`SEVERITIES`): 'info' (a note: worth knowing, a healthy run may carry it),
+    'warning' (the run is at risk: what a healthy run never raises) or 'critical' (the run is being
+    lost: non-finite values, a gross jump). Actions act on 'warning' and above by default
+    (`DetectConfig.act_on`)."""
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready dict."""
