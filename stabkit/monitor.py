@@ -36,6 +36,7 @@ from .discovery.discover import logits_only, needs_first_forward, report_gaps, t
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .hooks import HookSet, flush_hook_warnings
+from .incidents import IncidentLog
 from .interventions import Handle
 from .optimizers import OptimizerSet, as_optimizer
 from .plugins import PROBES
@@ -103,12 +104,15 @@ class Monitor:
         self.dist = detect(model)
         """This rank's place in a torch.distributed job (mode 'single' when not distributed)."""
         self.recorder = Recorder(reducer=reduce_stacked if self.dist.active else None)
-        self.metrics: dict[str, float] = {}
-        """Newest logged host value of every metric (per-layer ones come from the last sampled step)."""
+        self._metrics: dict[str, float] = {}
+        self._peeked = 0
+        """Pending (not yet flushed) steps already copied into `_metrics` by a read of `metrics`."""
         self.history: deque[tuple[int, dict[str, float]]] = deque(maxlen=self.config.history)
         """(step, values) of the last `MonitorConfig.history` logged steps, oldest first."""
         self.events: list[Event] = []
         """Every event detectors reported, in order."""
+        self.incidents = IncidentLog()
+        """The events grouped by cause (`stabkit.incidents`): ``mon.incidents.incidents``, newest last."""
         self.hooks = HookSet()
         """Every hook stabkit put on the model and optimizer (`describe_hooks()` lists them)."""
         self._step = 0
@@ -253,7 +257,7 @@ class Monitor:
             report=self.report,
             muted=self._muted,
             logdir=self.logdir,
-            metrics=self.metrics,
+            metrics=self._metrics,
             sampled_every=self.config.every,
             distributed=self.dist.active,
             overflowed=(lambda: grad is not None and grad.skipped) if scaled else None,
@@ -327,6 +331,18 @@ class Monitor:
         return report
 
     @property
+    def metrics(self) -> dict[str, float]:
+        """Newest host value of every metric, as of the last `step()` (per-layer ones from the last
+        sampled step). Reading it copies the steps not yet written out to the host (one transfer,
+        `Recorder.peek`): only when read, so a loop that never reads it keeps one host copy per log
+        interval. Under torch.distributed it holds the reduced values of the last log interval."""
+        if not self.dist.active and self.recorder.pending_steps > self._peeked:
+            for _, values in self.recorder.peek(self._peeked):
+                self._metrics.update(values)
+            self._peeked = self.recorder.pending_steps
+        return self._metrics
+
+    @property
     def global_step(self) -> int:
         """Number of completed steps (the index the next `step()` call will commit)."""
         return self._step
@@ -381,9 +397,10 @@ class Monitor:
             finish_ratios(rows)
         if self.detectors is not None and not self.detectors.removed:
             self.detectors.on_rows(rows)
+        self._peeked = 0
         if rows:
             for _, values in rows:
-                self.metrics.update(values)
+                self._metrics.update(values)
             self.history.extend(rows)
             self.sinks.write_rows(rows)
         self.sinks.flush()
@@ -403,9 +420,12 @@ class Monitor:
             self.detectors.load_state_dict(state["detectors"])
 
     def report(self, event: Event) -> None:
-        """Record an event and write it out at once (sinks flush on every event)."""
+        """Record an event, file it into its incident (`stabkit.incidents`) and write both out at once
+        (sinks flush on every event)."""
         self.events.append(event)
+        incident, _ = self.incidents.file(event)
         self.sinks.write_event(event)
+        self.sinks.write_record("incident", incident.to_dict())
 
     def write_text(self, tag: str, text: str) -> None:
         """Write a text note (e.g. an audit report) to the sinks."""

@@ -325,30 +325,46 @@ class Recorder:
         """Copy every pending step to the host in one transfer per device; returns (step, values) pairs."""
         if not self._pending:
             return []
+        out = self._host_rows(self._pending, self.reducer)
+        self._pending = []
+        self._names = {}
+        self._repeats = {}  # rebuilt once an interval: bounded however the names vary
+        return out
+
+    def peek(self, start: int = 0) -> list[tuple[int, dict[str, float]]]:
+        """The pending steps from the `start`-th on, copied to the host (one transfer per device) and
+        kept pending: `drain` still writes them out. This rank's own values (no cross-rank reduce: that
+        is a collective every rank must reach). Runs when a user reads `Monitor.metrics`."""
+        # sync point: the caller asked for host values
+        return self._host_rows(self._pending[start:], None)
+
+    def _host_rows(
+        self, pending: list[tuple[int, list[tuple[tuple[str, ...], torch.Tensor]]]], reducer: Reducer | None
+    ) -> list[tuple[int, dict[str, float]]]:
+        """(step, values) pairs of `pending` steps: one host copy per device, after `reducer`."""
+        if not pending:
+            return []
         packs: dict[torch.device, list[torch.Tensor]] = {}
         names: dict[torch.device, list[str]] = {}
-        for _, groups in self._pending:
+        for _, groups in pending:
             for key, packed in groups:
                 packs.setdefault(packed.device, []).append(packed)
                 names.setdefault(packed.device, []).extend(key)
         host: dict[torch.device, list[float]] = {}
         for dev, parts in packs.items():
             flat = torch.cat(parts)
-            if self.reducer is not None:
-                flat = self.reducer(flat, [self.reductions.get(n, "mean") for n in names[dev]])
+            if reducer is not None:
+                flat = reducer(flat, [self.reductions.get(n, "mean") for n in names[dev]])
             host[dev] = to_host(flat)
         cursor = dict.fromkeys(host, 0)
         out: list[tuple[int, dict[str, float]]] = []
-        for step, groups in self._pending:
+        for step, groups in pending:
             row: dict[str, float] = {}
             for key, packed in groups:
                 start = cursor[packed.device]
                 row.update(zip(key, host[packed.device][start : start + len(key)]))
                 cursor[packed.device] = start + len(key)
             out.append((step, row))
-        self._pending = []
-        self._names = {}
-        self._repeats = {}  # rebuilt once an interval: bounded however the names vary
         return out
 
 
