@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .discovery import DiscoveryError, ModelMap, inspect, inspect_model
     from .interventions import z_loss
     from .monitor import Monitor, attach
+    from .sinks.reader import load_run
 else:
     # `stabkit.audit` names the function, not the subpackage of the same name. Importing a
     # subpackage sets it as an attribute of its parent the first time it loads; load the (light)
@@ -45,6 +46,7 @@ _LAZY = {
     "Monitor": "monitor",
     "attach": "monitor",
     "register_kernel": "attention.kernels",
+    "load_run": "sinks.reader",
 }
 """Public name -> the submodule it comes from (imported on first access)."""
 
@@ -92,6 +94,7 @@ __all__ = [
     "audit",
     "inspect",
     "inspect_model",
+    "load_run",
     "register_kernel",
     "z_loss",
 ]

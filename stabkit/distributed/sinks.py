@@ -16,6 +16,7 @@ from typing import Any, TextIO
 from ..config import MonitorConfig
 from ..events import Event
 from ..sinks import SinkSet
+from ..sinks.trackers import run_params
 from .context import DistContext
 
 RATIO_PARTS = (".num", ".den")
@@ -60,6 +61,7 @@ def rank_sinks(logdir: str | Path | None, config: MonitorConfig, ctx: DistContex
         sinks = SinkSet(
             logdir, config.tensorboard, config.jsonl, config.console, config.logdir_mode, config.strict
         )
+        sinks.write_record("config", run_params(config))  # for `stabkit.load_run`; trackers get it their way
         sinks.add_trackers(config, logdir)
         return sinks
     sinks = SinkSet(None, tensorboard=False, jsonl=False, console=False)

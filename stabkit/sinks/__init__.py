@@ -13,6 +13,7 @@ from .console import ConsoleSink, summary_line
 from .fanout import Sink, SinkSet
 from .jsonl import LOG_NAME, JsonlSink, read_jsonl
 from .mlflow_sink import MlflowSink
+from .reader import Run, Series, load_run, load_runs, run_paths
 from .rundir import LOG_MODES, choose_logdir, clear_logs, run_folders
 from .tensorboard import TensorBoardSink, custom_scalar_layout
 from .trackers import TrackerError
@@ -24,6 +25,8 @@ __all__ = [
     "ConsoleSink",
     "JsonlSink",
     "MlflowSink",
+    "Run",
+    "Series",
     "Sink",
     "SinkSet",
     "TensorBoardSink",
@@ -32,7 +35,10 @@ __all__ = [
     "choose_logdir",
     "clear_logs",
     "custom_scalar_layout",
+    "load_run",
+    "load_runs",
     "read_jsonl",
     "run_folders",
+    "run_paths",
     "summary_line",
 ]
