@@ -27,7 +27,7 @@ RUN_QUANTITIES: dict[str, str] = {
     "mean_abs_logz": "mean |log Z| over held-out batches at the end",
     "mean_logz": "mean log Z over held-out batches at the end",
     "mean_logit": "mean output logit (over the vocabulary and positions) on held-out batches at the end",
-    "diverged": "1 when the loss ends non-finite or no better than a bigram model, else 0",
+    "diverged": "1 when the held-out loss ends non-finite or no better than a bigram model (the results table's 'above bigram'), else 0",
     "nonfinite_steps": "training steps whose loss was non-finite",
     "events": "number of detector events",
     "first_event_step": "step of the first detector event (missing when none)",

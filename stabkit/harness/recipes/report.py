@@ -17,6 +17,7 @@ from ...sinks.rundir import run_folders
 from .measures import best_smoothed, monitored, tail_mean
 from .runner import SUMMARY
 from .summary import Summary
+from .verdict import CAVEAT, CAVEAT_LEGEND
 
 
 def _float(value: Any) -> Any:
@@ -185,7 +186,12 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 def results_table(summary: Summary) -> str:
     """Per variant: final / best / held-out loss, max attention logit (before any cap), max log Z,
-    mean |log Z|, mean output logit (held out), first event, diverged, verdict."""
+    mean |log Z|, mean output logit (held out), first event, above bigram (the summary's
+    ``diverged``: the held-out loss non-finite or no better than a bigram model's), verdict.
+
+    The column says what it measures rather than "diverged": a variant can end a little above the
+    bigram level and still be within its fixed checks' tolerance of the reference (the tiny model's
+    reachable loss is only ~0.2 below that level), and a row never reads "diverged yes" and "fixed"."""
     headers = [
         "variant",
         "final",
@@ -196,7 +202,7 @@ def results_table(summary: Summary) -> str:
         "mean|logZ|",
         "mean logit",
         "first event",
-        "diverged",
+        "above bigram",
         "verdict",
     ]
     rows = []
@@ -205,7 +211,7 @@ def results_table(summary: Summary) -> str:
         if isinstance(r.get("first_event_step"), int | float) and math.isfinite(r["first_event_step"]):
             first = f"{r['first_event_kind']}@{int(r['first_event_step'])}"
         div = r.get("diverged")
-        diverged = (
+        above = (
             "-" if div is None or (isinstance(div, float) and math.isnan(div)) else ("yes" if div else "no")
         )
         verdict = summary.verdicts.get(name, {}).get("verdict", r.get("status", ""))
@@ -215,7 +221,7 @@ def results_table(summary: Summary) -> str:
         rows.append([
             name, num(r.get("final_loss")), num(r.get("best_loss")), num(r.get("val_loss")), logit,
             big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), num(r.get("mean_logit"), 2), first,
-            diverged, verdict,
+            above, verdict,
         ])  # fmt: skip
     return table(headers, rows)
 
@@ -224,7 +230,12 @@ def verdict_lines(summary: Summary) -> str:
     """Each variant's verdict with the checks behind it."""
     lines = []
     for name, v in summary.verdicts.items():
-        lines.append(f"{name}: {v['verdict']}")
+        caveat = (
+            " (its outcome checks pass; a mechanism check below does not)"
+            if v["verdict"].endswith(CAVEAT)
+            else ""
+        )
+        lines.append(f"{name}: {v['verdict']}{caveat}")
         for c in v.get("checks", []):
             lines.append(f"    {_check_text(c)}")
         for c in v.get("mechanism", []):
@@ -301,15 +312,19 @@ def _check_text(c: dict[str, Any]) -> str:
 
 
 def footer(summary: Summary) -> str:
-    """Status line: complete or partial, bigram level, where the logs are."""
+    """The legend: complete or partial, what "above bigram" means (with the bigram level), what a
+    verdict marked * means (only when one is), that max attn logit is before any cap."""
     first: dict[str, Any] = next(iter(summary.variants.values()), {})
     parts = []
     if not summary.complete:
         parts.append("PARTIAL: " + ("interrupted" if summary.interrupted else "not every variant finished"))
     if "bigram_loss" in first:
-        parts.append(f"diverged = non-finite or val loss >= bigram level {first['bigram_loss']:.3f}")
+        parts.append(f"above bigram = val loss non-finite or >= the bigram level {first['bigram_loss']:.3f}")
     parts.append("max attn logit is before any cap")
-    return "; ".join(parts)
+    legend = "; ".join(parts)
+    if any(str(v.get("verdict", "")).endswith(CAVEAT) for v in summary.verdicts.values()):
+        legend += "\n" + CAVEAT_LEGEND
+    return legend
 
 
 def group_events(events: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any], int]]:

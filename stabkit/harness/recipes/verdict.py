@@ -3,7 +3,10 @@
 Evaluated in the parent after each finished variant (so a partial summary has partial verdicts)
 from the variants' results. Honest by construction: an intervention is only called *fixed* when
 the baseline *reproduced* the instability; otherwise it is *not reproduced at this size*, and its
-checks are still shown. Checks that cannot be measured make the verdict *undetermined*.
+checks are still shown. Checks that cannot be measured make the verdict *undetermined*. A verdict
+never contradicts the variant's own checks: when its fixed checks pass but one of its mechanism
+checks (how the intervention is meant to work, e.g. QK-Clip holding each head near τ) fails or
+could not be measured, it is "fixed*" (`FIXED_CAVEAT`), not *fixed* — and a rescue "rescued*".
 
 A rescue variant (role ``rescue``: the baseline with stabkit's action 'rescue') is judged against the
 variant that had the fix from the start — the intervention whose interventions are exactly the
@@ -27,6 +30,15 @@ REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
 FIXED, NOT_FIXED, NOT_AT_SIZE = "fixed", "not fixed", "not reproduced at this size"
 UNDETERMINED, REFERENCE = "undetermined", "reference"
 RESCUED, NOT_RESCUED, NO_RESCUE = "rescued", "not rescued", "no rescue happened"
+CAVEAT = "*"
+"""Marks a verdict (`FIXED_CAVEAT`, `RESCUED_CAVEAT`) whose outcome checks pass while one of the
+variant's own mechanism checks fails or could not be measured."""
+FIXED_CAVEAT, RESCUED_CAVEAT = FIXED + CAVEAT, RESCUED + CAVEAT
+CAVEAT_LEGEND = (
+    "* = its fixed (rescue) checks pass but one of its own mechanism checks fails or was not "
+    "measured: the loss was fixed, not (only) the way the intervention is meant to fix it"
+)
+"""What `FIXED_CAVEAT` / `RESCUED_CAVEAT` mean, for the table's legend."""
 
 
 @dataclass
@@ -168,6 +180,7 @@ def judge(
             ok = _all(checks)
             if base_verdict == REPRODUCED:
                 verdict = UNDETERMINED if ok is None else (FIXED if ok else NOT_FIXED)
+                verdict = with_caveat(verdict, mech)
             elif base_verdict == NOT_REPRODUCED:
                 verdict = NOT_AT_SIZE
             else:
@@ -178,6 +191,14 @@ def judge(
                     verdict = f"{UNDETERMINED} (baseline undetermined)"
             out[name] = Verdict(name, role, verdict, checks, mech)
     return out
+
+
+def with_caveat(verdict: str, mechanism: Sequence[CheckResult]) -> str:
+    """`verdict` marked with `CAVEAT` when it is fixed or rescued while a mechanism check did not
+    pass (failed, or could not be measured); any other verdict unchanged."""
+    if verdict in (FIXED, RESCUED) and any(m.passed is not True for m in mechanism):
+        return verdict + CAVEAT
+    return verdict
 
 
 def judge_rescue(
@@ -234,7 +255,7 @@ def judge_rescue(
         return verdict(f"not judged: the {other} variant has no finite held-out loss")
     diff = own - theirs if math.isfinite(own) else math.inf
     check = CheckResult(f"val_loss − {other} <= {tolerance:g}", diff, diff <= tolerance)
-    return verdict(RESCUED if check.passed else NOT_RESCUED, [check])
+    return verdict(with_caveat(RESCUED if check.passed else NOT_RESCUED, mechanism), [check])
 
 
 def _float(value: Any) -> float:

@@ -58,7 +58,8 @@ def test_attention_logit_growth(tmp_path: Path, stabkit_cli: StabkitCLI) -> None
     assert clip["qk_clip_heads_fraction"] > 0 and clip["qk_clip_steps"] > 0
     assert clip["val_loss"] < base["val_loss"] - 0.1
     ok = clip["val_loss"] - s["variants"]["reference"]["val_loss"] < 0.2
-    assert verdicts(s)["qk_clip"] == ("fixed" if ok else "not fixed")
+    held = clip["qk_clip_max_after_clip"] <= 45.0  # its mechanism check: "fixed*" when only it fails
+    assert verdicts(s)["qk_clip"] == (("fixed" if held else "fixed*") if ok else "not fixed")
     # the rescues (measured, seeds 0/1/2: entropy collapse at step 25, back to step 0 (25 steps lost),
     # the fix on, the LR re-warmed over 15 steps: qk_clip 2.346/2.331/2.392 vs 2.371/2.350/2.347 from
     # the start (-0.024/-0.019/+0.045), qk_norm 2.285/2.284/2.320 vs 2.269/2.220/2.296
@@ -131,9 +132,13 @@ def test_low_precision_reproduces_with_eager_attention(tmp_path: Path, stabkit_c
     assert verdicts(s)["baseline"] == "reproduced" and base["events/nonfinite"] >= 1
     first = next(e for e in base["event_list"] if e["kind"] == "nonfinite")
     assert first["where"] == "blocks.0.attn"
+    mechanism = {  # the recipe's mechanism checks: "fixed*" when only they fail
+        "qk_clip": v["qk_clip"].get("qk_clip_max_after_clip", math.inf) <= 45.0,
+        "fp32_softmax": v["fp32_softmax"]["max_attn_logit"] > 16376,
+    }
     for fix in ("qk_clip", "fp32_softmax"):
         ok = v[fix]["nonfinite_steps"] == 0 and v[fix]["val_loss"] < 4.0
-        assert verdicts(s)[fix] == ("fixed" if ok else "not fixed"), fix
+        assert verdicts(s)[fix] == (("fixed" if mechanism[fix] else "fixed*") if ok else "not fixed"), fix
     assert v["qk_norm"]["max_attn_logit"] < 100
     assert v["attn_softcap"]["max_attn_logit_capped"] <= 30.0 + 1e-3
     assert v["fp32_softmax"]["max_attn_logit"] > 65504 / 4  # what fp16 could not have held
