@@ -520,7 +520,16 @@ def attach(
     ``["qk_norm", ("z_loss", {"coef": 1e-4})]``); `detach` switches them off again. `lr` and
     `warmup_steps`: the run's peak learning rate and warmup, when known — the audit at attach and the
     detectors use them (post-norm without warmup is flagged when the warmup is 0 or not given).
+    ``STABKIT_DISABLE=1`` returns a `stabkit.disabled.DisabledMonitor` (same API, nothing hooked);
+    ``STABKIT_LOGDIR`` is the logdir when `logdir` is None (`stabkit.environment`).
     """
+    from .environment import disabled, env_logdir
+
+    if disabled():
+        from .disabled import DisabledMonitor
+
+        return DisabledMonitor(model, optimizer, config, interventions)
+    logdir = env_logdir(logdir)
     return Monitor(
         model,
         optimizer,
