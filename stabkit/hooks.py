@@ -84,12 +84,58 @@ class Registrar:
         return self._keep(owner, "post-accumulate-grad hook on a parameter", handle)
 
     def step_pre(self, owner: str, optimizer: Any, fn: Callable[..., Any]) -> RemovableHandle:
-        """`optimizer.register_step_pre_hook`."""
-        return self._keep(owner, "optimizer step pre-hook", optimizer.register_step_pre_hook(fn))
+        """`optimizer.register_step_pre_hook`, with `fn` run when the step's gradients are final
+        (`AfterClosure`: at once, or after the first call of a closure passed to ``step``)."""
+        handle = optimizer.register_step_pre_hook(AfterClosure(fn))
+        return self._keep(owner, "optimizer step pre-hook", handle)
 
     def step_post(self, owner: str, optimizer: Any, fn: Callable[..., Any]) -> RemovableHandle:
         """`optimizer.register_step_post_hook`."""
         return self._keep(owner, "optimizer step post-hook", optimizer.register_step_post_hook(fn))
+
+
+class AfterClosure:
+    """An optimizer step pre-hook that runs `fn(optimizer, args, kwargs)` once the step's gradients
+    are final.
+
+    When it runs: with ``optimizer.step()`` at once, before the update (a plain pre-hook). With
+    ``optimizer.step(closure)`` — Lightning's every step, LBFGS-style loops — the gradients are
+    made inside ``step`` by the closure (zero_grad, forward, backward), after the pre-hooks ran:
+    the hook then hands ``step`` the same closure wrapped, and `fn` runs right after the closure's
+    first call returns — still before the update, since every torch optimizer evaluates its
+    closure before it changes a parameter. Later calls (LBFGS line-search evaluations) run the
+    closure alone. The closure's result is returned unchanged; nothing else differs, so training
+    is the same bit for bit. Wrapping costs a function object per step, and only with a closure.
+    An optimizer that takes a closure but never calls it never runs `fn` that step.
+    """
+
+    def __init__(self, fn: Callable[..., Any]) -> None:
+        self.fn = fn
+
+    def __call__(self, optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        # torch passes `args` with the optimizer first: step(closure) gives (optimizer, closure)
+        if kwargs.get("closure") is not None:
+            return args, {**kwargs, "closure": self._then_fn(kwargs["closure"], optimizer, args, kwargs)}
+        if len(args) > 1 and callable(args[1]):
+            wrapped = self._then_fn(args[1], optimizer, args, kwargs)
+            return (args[0], wrapped, *args[2:]), kwargs
+        self.fn(optimizer, args, kwargs)
+        return None
+
+    def _then_fn(
+        self, closure: Callable[[], Any], optimizer: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> Callable[[], Any]:
+        """`closure`, followed by `fn` after its first call."""
+        pending = [True]
+
+        def closure_then_hook() -> Any:
+            out = closure()
+            if pending:
+                pending.clear()
+                self.fn(optimizer, args, kwargs)
+            return out
+
+        return closure_then_hook
 
 
 _DEFERRED: list[tuple[str, type[Warning]]] = []

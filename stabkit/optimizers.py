@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-StepHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], None]
+StepHook = Callable[[Any, tuple[Any, ...], dict[str, Any]], Any]
 
 
 class _StateView(MutableMapping[torch.Tensor, dict[str, Any]]):
@@ -116,11 +116,19 @@ class OptimizerSet:
         """`hook(self, args, kwargs)` once per training step, after the last optimizer stepped."""
         return _ListHandle(self._post, hook)
 
-    def _on_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if not self._pre_done:
-            self._pre_done = True
-            for hook in list(self._pre):
-                hook(self, args, kwargs)
+    def _on_pre(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> Any:
+        """A pre-hook may return new (args, kwargs) for ``step`` (`stabkit.hooks.AfterClosure` wraps a
+        closure): they are passed on to the next hook and returned to torch."""
+        if self._pre_done:
+            return None
+        self._pre_done = True
+        changed = False
+        for hook in list(self._pre):
+            result = hook(self, args, kwargs)
+            if result is not None:
+                args, kwargs = result
+                changed = True
+        return (args, kwargs) if changed else None
 
     def _on_post(self, opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         self._stepped.add(id(opt))
