@@ -25,6 +25,7 @@ from .hooks import HookSet
 from .incidents import IncidentLog
 from .monitor import Monitor
 from .sinks import SinkSet
+from .stats import Recorder
 
 
 class NoHooks(HookSet):
@@ -75,7 +76,7 @@ class DisabledMonitor(Monitor):
         self._detached = False
         self._model_map = None
         self.dist = SINGLE
-        self.recorder = None
+        self.recorder = Recorder()  # stays empty
 
     @property
     def model_map(self) -> Any:
