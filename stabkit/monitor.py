@@ -359,6 +359,14 @@ class Monitor:
             raise ValueError(
                 f"Monitor.step(loss): pass a scalar loss (e.g. loss.mean()), got a tensor of shape {tuple(loss.shape)}"
             )
+        if loss is not None and not isinstance(loss, torch.Tensor):
+            accepts = "Monitor.step(loss): `loss` must be a scalar tensor, a real number (int, float, NumPy scalar) or None"
+            if isinstance(loss, str | bytes):  # float('2.5') would pass: text is never a loss
+                raise TypeError(f"{accepts}, got {type(loss).__name__} {loss!r}")
+            try:
+                loss = float(loss)
+            except (TypeError, ValueError) as exc:
+                raise TypeError(f"{accepts}, got {type(loss).__name__} {loss!r}") from exc
         if loss is not None and "loss" in self.config.families:
             value = (
                 loss.detach().reshape(())
