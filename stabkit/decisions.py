@@ -42,6 +42,7 @@ from .discovery import ModelMap
 from .distributed import host_values
 from .events import Event
 from .hooks import HookSet
+from .learning_rate import LR_SERIES, current_lr
 from .stats import Recorder
 
 OWNER = "detectors"
@@ -127,6 +128,8 @@ class Decisions:
         self.per_row = self.judge.kinds(per_step=False)
         """Kinds decided at the log interval, from the host rows."""
         self._series: dict[int, dict[str, float]] = {}
+        self._lr: dict[int, float] = {}
+        """The optimizer's learning rate per step not yet logged (`stabkit.learning_rate`)."""
         self._pre_done = False
         self._acted = False
         self._judged_before: set[str] = set()
@@ -174,6 +177,9 @@ class Decisions:
     def _before_update(self, committed: Mapping[str, torch.Tensor] | None) -> None:
         self._pre_done = True
         step = self.wiring.step()
+        lr = current_lr(self.wiring.optimizer)
+        if lr is not None:
+            self._lr[step] = lr
         value = committed.get if committed is not None else self.recorder.current
         flags = [
             (part, flag)
@@ -244,6 +250,9 @@ class Decisions:
         """At each log interval, with the host rows, before the sinks write them: warn-only kinds
         decide from the rows; extra series join the rows."""
         for step, row in rows:
+            lr = self._lr.pop(step, None)
+            if lr is not None:
+                row[LR_SERIES] = lr
             for part in self.devices.values():
                 event = part.decide_row(step, row)
                 if event is not None:
@@ -256,6 +265,7 @@ class Decisions:
         if rows:
             last = rows[-1][0]
             self._series = {s: v for s, v in self._series.items() if s > last}
+            self._lr = {s: v for s, v in self._lr.items() if s > last}
             for part in self.devices.values():
                 part.forget_before(last)
 
@@ -263,6 +273,9 @@ class Decisions:
     def _judge(self, step: int, values: dict[str, float], before_update: bool) -> None:
         if not values:
             return
+        lr = self._lr.get(step)
+        if lr is not None:  # the rate-based rules read it beside the step's values
+            values = {LR_SERIES: lr, **values}
         events, extra = self.judge.judge(step, values, self.per_step)
         if extra:
             self._series.setdefault(step, {}).update(extra)

@@ -8,8 +8,8 @@ practice. The one range check is the ``bounds`` metadata of those dataclasses' f
 `stabkit.tables.fill`; an error names the plug-in and the field (``DetectConfig.options.spike.window:
 must be an integer >= 1, got 0``).
 
-A leaf: it imports only `stabkit.plugins` (the names of the detectors and actions) and
-`stabkit.tables` (the check). Building a config loads no plug-in code, except the options class of
+A leaf: it imports only `stabkit.plugins` (the names of the detectors and actions),
+`stabkit.events` (the severities) and `stabkit.tables` (the check). Building a config loads no plug-in code, except the options class of
 a plug-in named in `options` (checked when the config is built).
 """
 
@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
 
+from .events import SEVERITIES, severity_rank
 from .plugins import ACTIONS, DETECTORS
 from .tables import fill, merged
 
@@ -94,6 +95,9 @@ class DetectConfig:
     """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
     they are localized: None = yes on a CPU (it costs nothing there), no on an accelerator (where the
     per-step copy stalls the device; `stabkit bench` measures it) — the event then says how to turn it on."""
+    act_on: str = "warning"
+    """The mildest severity the actions other than 'warn' act on (`stabkit.events.SEVERITIES`: 'info',
+    'warning', 'critical'): a note ('info') is reported, never skipped, rolled back or raised on."""
     _checked: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     MOVED: ClassVar[dict[str, str]] = MOVED
@@ -104,6 +108,7 @@ class DetectConfig:
         detectors: Sequence[str] | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
         sync: bool | None = None,
+        act_on: str = "warning",
         **moved: Any,
     ) -> None:
         if moved:
@@ -112,10 +117,13 @@ class DetectConfig:
         self.detectors = detectors  # type: ignore[assignment]
         self.options = options if options is not None else {}  # type: ignore[assignment]
         self.sync = sync
+        self.act_on = act_on
         self._checked = {}
         self.__post_init__()
 
     def __post_init__(self) -> None:
+        if self.act_on not in SEVERITIES:
+            raise ValueError(f"DetectConfig.act_on must be one of {list(SEVERITIES)}, got {self.act_on!r}")
         if self.sync is not None and not isinstance(self.sync, bool):
             raise ValueError(f"DetectConfig.sync must be None (auto), True or False, got {self.sync!r}")
         if self.actions is None:
@@ -193,6 +201,10 @@ class DetectConfig:
     def runs(self, kind: str) -> bool:
         """True when the detector of `kind` is switched on (`detectors`)."""
         return self.detectors is None or kind in self.detectors
+
+    def acts_on(self, severity: str) -> bool:
+        """True when the actions other than 'warn' act on an event of `severity` (`act_on`)."""
+        return severity_rank(severity) >= severity_rank(self.act_on)
 
     def needs_sync(self, kind: str) -> bool:
         """True when `kind` must be decided every step on the host (an action other than warn)."""

@@ -488,6 +488,19 @@ class Monitor:
     def __enter__(self) -> Monitor:
         return self
 
+    def __repr__(self) -> str:
+        """State, step, logdir, what is watched, the newest loss / grad norm / log Z and the newest
+        events with their severity (`stabkit.monitor_repr`; reading the newest values is a host copy)."""
+        from .monitor_repr import text
+
+        return text(self)
+
+    def _repr_html_(self) -> str:
+        """The same as `__repr__`, as an HTML table (a notebook cell's value)."""
+        from .monitor_repr import to_html
+
+        return to_html(self)
+
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:

@@ -211,6 +211,7 @@ class Rescue(Action):
                 float(self.options.window),
                 f"rescue failed: {event.details['rescue']}; stopping",
                 details={"failed": True, "rescued_at": previous["step"], "signature": previous["signature"]},
+                severity="critical",
             )
         )
         if self.lr is not None:

@@ -3,7 +3,8 @@
 Runs wherever an event is decided (see `stabkit.actions.base`). Order per event: the actions whose
 `order` is below `REPORT_ORDER` (dump 10, rollback 20, skip 30, warn 40), then the update is
 skipped if one of them asked for it (every gradient set to None), then the event is reported, then
-the rest (raise 90).
+the rest (raise 90). An event milder than `DetectConfig.act_on` ('warning' by default: a note) is
+only reported.
 """
 
 from __future__ import annotations
@@ -48,7 +49,9 @@ class ActionRunner:
     def run(self, event: Event, before_update: bool) -> None:
         """Act on `event` (already carrying its advice) and report it."""
         names = self.ctx.config.actions.get(event.kind, ("warn",))
-        chosen = sorted((self.actions[n] for n in names), key=lambda a: a.order)
+        if not self.ctx.config.acts_on(event.severity):  # a note is reported, never acted on
+            names = tuple(n for n in names if n == "warn") or ("warn",)
+        chosen = sorted((self.actions[n] for n in names if n in self.actions), key=lambda a: a.order)
         skip = False
         for action in (a for a in chosen if a.order < REPORT_ORDER):
             skip = action.run(event, before_update) or skip

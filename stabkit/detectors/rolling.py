@@ -6,6 +6,7 @@ when an action needs a per-step decision). Pure Python; checkpointable.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import deque
 from typing import Any
@@ -63,6 +64,32 @@ class RollingWindow:
             return math.nan, math.nan
         med = median_sorted(sorted(self.values))
         return med, MAD_TO_SIGMA * median_sorted(sorted(abs(v - med) for v in self.values))
+
+    def recent_level_noise(self, recent: int) -> tuple[float, float]:
+        """(level, noise σ) of the window for judging its next value against the run's recent trend:
+
+        - level: the median of the newest `recent` values (it follows a falling loss within
+          ~recent/2 steps, where the median of a long window still holds values from far above);
+        - noise σ: the larger of two robust scatters — 1.4826 × the median absolute deviation of the
+          window's successive differences, divided by √2 (the step-to-step scatter with the trend
+          taken out: a steady descent moves every difference alike, one earlier spike makes two
+          outlying differences the median ignores), and 1.4826 × the MAD of the newest `recent`
+          values (the scatter around the level, which a series alternating between two values has
+          and its differences hide).
+
+        NaN when a value is NaN (numpy's answer)."""
+        values = list(self.values)
+        if not values or any(math.isnan(v) for v in values):
+            return math.nan, math.nan
+        newest = sorted(values[-recent:])
+        level = median_sorted(newest)
+        around = MAD_TO_SIGMA * median_sorted(sorted(abs(v - level) for v in newest))
+        diffs = [b - a for a, b in itertools.pairwise(values)]
+        if len(diffs) < 2:
+            return level, around
+        mid = median_sorted(sorted(diffs))
+        steps = MAD_TO_SIGMA * median_sorted(sorted(abs(d - mid) for d in diffs)) / math.sqrt(2.0)
+        return level, max(steps, around)
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready state."""

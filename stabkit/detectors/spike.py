@@ -6,12 +6,22 @@ action for 'spike' needs a decision). Pure and checkpointable; never touches ten
 The rule, per series, over the previous `window` values (`SpikeOptions`, ``DetectConfig.options
 ["spike"]``; the new value is judged against history it is not part of):
 
-    spike  ⇔  n ≥ min_history  and  x ≥ median + sigma · σ_robust  and  x ≥ min_ratio · median
-           or  n ≥ min_history  and  x ≥ factor · median
+    spike  ⇔  n ≥ min_history  and  x ≥ level + sigma · σ_noise  and  x ≥ min_ratio · level
+           or  n ≥ min_history  and  x ≥ factor · level
 
+- **level** is the median of the newest `recent` (16) values: the run's recent trend. A 128-value
+  median still holds the steep early descent of the loss — on the tiny reference GPT a loss × 20 at
+  step 140 (0.08 → 1.6) stayed under a threshold of the old window's median; the recent median
+  follows the descent within ~8 steps and catches it, and a spike can be judged after `min_history`
+  (8) values, not half a window.
+- **σ_noise** is the robust scatter of the window's successive differences (1.4826·MAD/√2: the
+  trend taken out, so a steady descent does not widen it, and one spike in the window cannot
+  inflate it and hide the next one), or the robust scatter of the `recent` values around the level
+  when that is larger (`RollingWindow.recent_level_noise`).
 - window 128 and 6σ are OLMo's (StabilityMonitor / SkipStepOptimizer: mean + 6σ over 128 steps).
-  The median and σ_robust = 1.4826·MAD replace OLMo's mean and std so that one spike in the
-  window cannot inflate σ and hide the next one.
+- Series of an *update* (``update/*``) are divided by the optimizer's learning rate of the step
+  (``opt/lr``, `stabkit.learning_rate`) before they are judged: a warmup ramp or a schedule's
+  drop changes the update, not the run.
 - `min_ratio` guards against the heavy tails of small-batch runs. Measured on the tiny reference
   GPT (2000 steps, AdamW 1e-3..3e-3, 64–1024 tokens per batch): stable runs reach 6–25 robust σ
   with the gradient norm at 2.1–4.8× its median and the loss at up to 1.9× (one hard batch);
@@ -37,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..events import Event
+from ..learning_rate import LR_SERIES
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
@@ -62,8 +73,13 @@ class SpikeOptions:
     """Glob -> the value must also be at least this multiple of the rolling median (first matching glob wins)."""
     factor: float | None = field(default=10.0, metadata=bounds(lo=1, lo_open=True))
     """A value at least this multiple of the rolling median is a spike whatever σ says (Megatron: 10×); None = off."""
-    min_history: int = field(default=64, metadata=bounds(lo=2))
-    """Values a series needs before it can spike (half the window, like OLMo-core's skip-step)."""
+    min_history: int = field(default=8, metadata=bounds(lo=2))
+    """Values a series needs before it can spike (the level needs a few values; the noise estimate
+    grows with the window)."""
+    recent: int = field(default=16, metadata=bounds(lo=1))
+    """Newest values whose median is the level a new value is judged against (the run's recent trend)."""
+    per_lr: tuple[str, ...] = ("update/*",)
+    """Globs of the series divided by the step's learning rate (``opt/lr``) before they are judged."""
     score_window: int = field(default=1000, metadata=bounds(lo=1))
     """OLMo 2 spike score: values in the rolling mean/std window."""
     score_sigma: float = field(default=7.0, metadata=bounds(lo=0, lo_open=True))
@@ -128,14 +144,39 @@ class SpikeDetector(Detector):
     def __init__(self, ctx: DetectorContext) -> None:
         super().__init__(ctx)
         self.options = ctx.options(self.kind, SpikeOptions)
-        self.watches = self.options.series  # type: ignore[misc]
+        self.watches = (*self.options.series, LR_SERIES)  # type: ignore[misc]
         self.series: dict[str, SeriesState] = {}
+        self._per_lr: dict[str, bool] = {}
+
+    def per_lr(self, name: str) -> bool:
+        """True when series `name` is judged per unit of learning rate (`SpikeOptions.per_lr`)."""
+        hit = self._per_lr.get(name)
+        if hit is None:
+            hit = self._per_lr[name] = any(fnmatch.fnmatchcase(name, p) for p in self.options.per_lr)
+        return hit
+
+    def rate_free(self, name: str, x: float, lr: float | None) -> float | None:
+        """`x` as judged: divided by the step's learning rate for an update series (None: not judged,
+        a zero rate — the first step of a warmup from 0)."""
+        if lr is None or not self.per_lr(name):
+            return x
+        return x / lr if lr > 0 else None
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """Each value: a spike event and/or its spike score (``spike/<series>/score``)."""
         seen = Observation()
-        for name, x in values.items():
+        lr = values.get(LR_SERIES)
+        for name, raw in values.items():
+            if name == LR_SERIES:
+                continue
+            x = self.rate_free(name, raw, lr)
+            if x is None:
+                continue
             event, score = self.update(step, name, x)
+            if event is not None and x != raw:
+                event.value = raw
+                event.details["lr"] = lr
+                event.message += f" (per unit of learning rate; lr {lr:.3g})"
             if score is not None:
                 seen.series[f"spike/{name}/score"] = score
             if event is not None:
@@ -198,7 +239,7 @@ class SpikeDetector(Detector):
         o = self.options
         if len(state.window) < o.min_history:
             return None
-        med, sigma = state.window.median_sigma()
+        med, sigma = state.window.recent_level_noise(o.recent)
         if med <= 0 or x <= med:
             return None
         threshold = max(med + o.sigma * sigma, o.min_ratio_of(name) * med)
@@ -207,7 +248,7 @@ class SpikeDetector(Detector):
             return None
         z = (x - med) / sigma if sigma > 0 else math.inf
         crossed = threshold if x >= threshold else factor_line
-        rule = f"{z:.1f}σ above the median" if x >= threshold else f"≥ {o.factor:g}× the median"
+        rule = f"{z:.1f}σ of step-to-step noise above it" if x >= threshold else f"≥ {o.factor:g}× it"
         return Event(
             step=step,
             kind="spike",
@@ -215,8 +256,8 @@ class SpikeDetector(Detector):
             value=x,
             threshold=crossed,
             message=(
-                f"{name} = {x:.4g} is {x / med:.1f}× its rolling median {med:.4g} ({rule}, "
-                f"window {len(state.window)})"
+                f"{name} = {x:.4g} is {x / med:.1f}× its recent level {med:.4g} (median of the last "
+                f"{min(o.recent, len(state.window))} values; {rule}; threshold {crossed:.4g})"
             ),
             details={
                 "series": name,
@@ -225,6 +266,7 @@ class SpikeDetector(Detector):
                 "z": z if math.isfinite(z) else None,
                 "ratio": x / med,
                 "window": len(state.window),
+                "recent": min(o.recent, len(state.window)),
             },
         )
 

@@ -50,6 +50,7 @@ class AmpDetector(Detector):
                     0.0,
                     f"GradScaler skipped this step: inf/NaN in the scaled fp16 gradients (loss scale now {scale:g}); "
                     "this is the scaler doing its job, not a NaN in the model",
+                    severity="info",
                 )
             ]
         )

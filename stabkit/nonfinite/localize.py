@@ -201,6 +201,7 @@ def finding_event(step: int, finding: FaultSite | None, metric: str, value: floa
             0.0,
             f"{metric} is not finite (not localized)",
             details={"metric": metric},
+            severity="critical",
         )
     text = {
         "forward": f"{finding.where} produced NaN/Inf in its {finding.tensor} during the forward pass from finite inputs",
@@ -218,4 +219,4 @@ def finding_event(step: int, finding: FaultSite | None, metric: str, value: floa
         "metric": metric,
     }
     details.update(finding.details)
-    return Event(step, "nonfinite", finding.where, value, 0.0, text + note, details=details)
+    return Event(step, "nonfinite", finding.where, value, 0.0, text + note, details=details, severity="critical")

@@ -45,4 +45,5 @@ class ScalerCheck(DeviceChecks):
             f"{found.tensor} holds NaN/Inf: the GradScaler skips every step because the weights (or the "
             "optimizer state) are broken, not because the loss scale is too high",
             details={"pass": "optimizer", "module": found.module, "tensor": found.tensor},
+            severity="critical",
         )

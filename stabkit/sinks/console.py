@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any, TextIO
 
-from ..events import Event
+from ..events import Event, severity_rank
 
 HEADLINE = (
     ("loss", "loss"),
@@ -30,12 +30,31 @@ def summary_line(step: int, values: dict[str, float]) -> str:
     return "[stabkit] " + " | ".join(parts)
 
 
+def event_line(event: Event) -> str:
+    """`[stabkit] WARNING step 80 [spike] loss: loss = 1.6 is 20× ... -> try: qk_norm (incident 2)`:
+    the severity first, the advice as intervention names (the full text is in the JSONL log, in
+    TensorBoard and in `stabkit list advice`), cut to one readable line."""
+    names = event.details.get("interventions")
+    if names:
+        advice = " or ".join(names)
+    else:
+        advice = event.advice if len(event.advice) <= 90 else event.advice[:87].rstrip() + "..."
+    tail = f" -> try: {advice}" if advice else ""
+    incident = event.details.get("incident")
+    where = f" (incident {incident})" if incident is not None else ""
+    return f"[stabkit] {event.severity.upper()} step {event.step} [{event.kind}] {event.where}: {event.message}{tail}{where}"
+
+
 class ConsoleSink:
-    """Prints to `stream` (default stderr)."""
+    """Prints to `stream` (default stderr): one line per log interval, one line per incident (the
+    event that opened it, and again when a member raises its severity); the other members of an
+    incident are in the JSONL log and `stabkit report`."""
 
     def __init__(self, stream: TextIO | None = None) -> None:
         self.stream = stream
         self.label = "the console (stderr)"
+        self._shown: dict[Any, int] = {}
+        """Incident id -> the severity rank last printed for it."""
 
     def _print(self, text: str) -> None:
         print(text, file=self.stream or sys.stderr, flush=True)
@@ -44,7 +63,14 @@ class ConsoleSink:
         self._print(summary_line(step, values))
 
     def write_event(self, event: Event) -> None:
-        self._print(f"[stabkit] {event}")
+        """Print `event` when it opens an incident or raises its incident's severity."""
+        incident = event.details.get("incident")
+        rank = severity_rank(event.severity)
+        if incident is not None:
+            if incident in self._shown and self._shown[incident] >= rank:
+                return
+            self._shown[incident] = rank
+        self._print(event_line(event))
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
         """Records are for the JSONL log: nothing to do here."""

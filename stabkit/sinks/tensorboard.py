@@ -80,9 +80,11 @@ class TensorBoardSink:
             self.writer.add_custom_scalars(custom_scalar_layout(sorted(self._layout_names)))
 
     def write_event(self, event: Event) -> None:
-        """An event as its own scalar (`events/<kind>`, not hidden by outlier scaling) and as text; flushed."""
+        """An event as its own scalar (`events/<kind>`, not hidden by outlier scaling; `events/<severity>`
+        = 1 at its step) and as text with its severity; flushed."""
         self.writer.add_scalar(f"events/{event.kind}", event.value, event.step)
-        self.writer.add_text(f"events/{event.kind}", str(event), event.step)
+        self.writer.add_scalar(f"events/{event.severity}", 1.0, event.step)
+        self.writer.add_text(f"events/{event.kind}", f"**{event.severity.upper()}** {event}", event.step)
         self.writer.flush()
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:

@@ -47,6 +47,7 @@ def realistic_rows(steps: int, seed: int, every: int = 10) -> list[tuple[int, di
         warm = min(1.0, (t + 1) / 100)
         grad = 0.5 + 2.5 * math.exp(-t / 30) + 1.0 * (1 - math.exp(-t / 800))
         row = {
+            "opt/lr": 3e-3 * warm,  # the monitor logs the optimizer's LR with the detectors on
             "loss": (2.0 + 4.0 * math.exp(-t / 60) + 0.5 * math.exp(-t / 800)) * math.exp(noise(0.06)),
             "grad/global_norm": grad * math.exp(noise(0.14, heavy=True)),
         }

@@ -65,6 +65,7 @@ def test_every_range_is_the_bounds_metadata_of_an_options_dataclass() -> None:
         "detectors",
         "options",
         "sync",
+        "act_on",
     ]
     classes = [DETECTORS.load(k) for k in DETECTORS.names()] + [ACTIONS.load(a) for a in ACTIONS.names()]
     declared = {c.__name__: c.options_class for c in classes if getattr(c, "options_class", None) is not None}

@@ -62,6 +62,21 @@ def test_update_norm_is_silent_on_noise_warmup_and_before_its_history() -> None:
     assert small == []  # below Marin's 2×
 
 
+def test_a_warmup_that_doubles_the_update_norm_is_silent_per_unit_of_lr() -> None:
+    """Hugging Face GPT-2, LR 3e-3 with 100 warmup steps, raised 'update_norm' at step 52 (2.1× its
+    rolling median): Adam's update is the LR times a normalised step, so the ramp doubles it. With the
+    optimizer's LR beside it (``opt/lr``, as the Monitor logs it) the rule judges update/LR: flat."""
+    rng = np.random.default_rng(1)
+    rows = []
+    for step in range(200):
+        lr = 3e-3 * min(1.0, (step + 1) / 100)
+        update = 40.0 * lr * math.exp(0.05 * rng.standard_normal())
+        rows.append((step, {"opt/lr": lr, "update/norm": update}))
+    assert events(judge(), rows, "update_norm") == []
+    spiked = [(s, dict(r, **({"update/norm": 3 * r["update/norm"]} if s == 60 else {}))) for s, r in rows]
+    assert [(e.step, e.where) for e in events(judge(), spiked, "update_norm")] == [(60, "update/norm")]
+
+
 def test_update_norm_state_round_trips() -> None:
     rows = update_rows(60, spike_at=40)
     a = judge()
@@ -130,27 +145,48 @@ def test_outlier_options_change_the_levels() -> None:
 # ---------------------------------------------------------------- depth_grad
 
 
-def grad_rows(ratio: float, n: int = 8) -> list:
-    return [(10 * i, {"grad/blocks.0/norm": 1.0, "grad/blocks.5/norm": ratio, "loss": 5.0}) for i in range(n)]
+POST = tuple(BlockInfo(f"blocks.{i}", i, "post") for i in range(6))
 
 
-def test_depth_imbalance_fires_at_the_first_step_without_warmup() -> None:
-    found = events(judge(), grad_rows(0.9), "depth_grad")  # 0.9·√6 = 2.2: post-norm at init
-    assert [e.step for e in found] == [0]
+def grad_rows(ratio: float, n: int = 8, lrs: list[float] | None = None) -> list:
+    """Rows of steps 0..n-1: the first and last block's gradient norms on step 0 (last/first =
+    `ratio`), the loss, and the optimizer's LR of each step when `lrs` is given."""
+    rows = []
+    for step in range(n):
+        row: dict[str, float] = {"loss": 5.0}
+        if step == 0:
+            row.update({"grad/blocks.0/norm": 1.0, "grad/blocks.5/norm": ratio})
+        if lrs is not None:
+            row["opt/lr"] = lrs[step]
+        rows.append((step, row))
+    return rows
+
+
+def test_depth_imbalance_fires_once_the_lr_shows_no_warmup() -> None:
+    found = events(judge(blocks=POST), grad_rows(0.9, lrs=[1e-2] * 8), "depth_grad")  # 0.9·√6 = 2.2
+    assert [e.step for e in found] == [5]  # step 0 measured, steps 1..5 of constant LR: no warmup
     assert found[0].value == pytest.approx(0.9 * math.sqrt(6))
+    assert found[0].details["since"] == 0 and found[0].details["lr"] == pytest.approx(1e-2)
     assert found[0].details["advice"] == "post_norm_no_warmup"
     assert found[0].details["interventions"] == ["norm_placement"]
+    assert found[0].severity == "warning"
+    # no LR to read (no optimizer) and no warmup given: judged at once
+    assert [e.step for e in events(judge(blocks=POST), grad_rows(0.9), "depth_grad")] == [0]
 
 
 def test_depth_imbalance_is_silent_with_warmup_pre_norm_shallow_models_and_late() -> None:
-    assert events(judge(warmup=100), grad_rows(0.9), "depth_grad") == []
-    assert events(judge(warmup=0), grad_rows(0.9), "depth_grad") != []  # warmup 0 is no warmup
-    assert events(judge(), grad_rows(0.35), "depth_grad") == []  # pre-norm: 0.35·√6 = 0.86
+    ramp = [1e-3 * (s + 1) for s in range(8)]  # a linear warmup, read from the optimizer
+    assert events(judge(blocks=POST), grad_rows(0.9, lrs=ramp), "depth_grad") == []
+    assert events(judge(warmup=100, blocks=POST), grad_rows(0.9), "depth_grad") == []
+    assert events(judge(warmup=0, blocks=POST), grad_rows(0.9), "depth_grad") != []  # 0 is no warmup
+    assert events(judge(blocks=POST), grad_rows(0.35), "depth_grad") == []  # 0.35·√6 = 0.86
+    # pre-norm with PyTorch's / Hugging Face's init: ratio ≈ 0.9, score ≈ √L — not post-norm imbalance
+    assert events(judge(), grad_rows(0.9, lrs=[1e-2] * 8), "depth_grad") == []
     two = tuple(BlockInfo(f"blocks.{i}", i, "post") for i in range(2))
     rows = [(0, {"grad/blocks.0/norm": 1.0, "grad/blocks.1/norm": 1.0})]
     assert events(judge(blocks=two), rows, "depth_grad") == []
     late = [(1 + s, r) for s, r in grad_rows(0.9)]  # after the first step: not judged
-    assert events(judge(), late, "depth_grad") == []
+    assert events(judge(blocks=POST), late, "depth_grad") == []
 
 
 # ---------------------------------------------------------------- injected faults on a real model
@@ -169,17 +205,27 @@ def run_monitored(steps: int, fault: callable, **attach: object) -> tuple[list[s
     return list(mon.events), losses
 
 
-def test_injected_lr_jump_is_an_update_norm_spike_at_once() -> None:
+def test_injected_lr_jump_is_an_event_at_once_and_update_norms_are_judged_per_unit_lr() -> None:
     def lr_jump(step: int, model: object, opt: torch.optim.Optimizer) -> None:
         if step == 45:
             for g in opt.param_groups:
                 g["lr"] = 3e-2
 
     found, _ = run_monitored(60, lr_jump)
-    spikes = [e for e in found if e.kind == "update_norm"]
-    assert spikes and min(e.step for e in spikes) == 45
-    assert {e.where for e in spikes} >= {"update/norm"}
+    jumps = [e for e in found if e.kind == "update_norm" and e.where == "opt/lr"]
+    assert [(e.step, e.severity) for e in jumps] == [(45, "warning")]
+    assert jumps[0].details["ratio"] == pytest.approx(30.0) and jumps[0].details["advice"] == "lr_jump"
+    # the update norm per unit of LR does not jump with the rate: no update-norm spike at 45 for it
+    assert not [e for e in found if e.kind == "update_norm" and e.where == "update/norm" and e.step == 45]
     assert all(e.step >= 45 for e in found if e.kind in ("update_norm", "outliers", "depth_grad"))
+
+
+def test_lr_jump_rule_on_warmups_and_restarts() -> None:
+    linear = [(s, {"opt/lr": 1e-3 * (s + 1) / 10}) for s in range(10)]  # ×2 at its first step
+    assert events(judge(), linear, "update_norm") == []
+    restart = [(s, {"opt/lr": lr}) for s, lr in enumerate([1e-3, 5e-4, 1e-4, 1e-3, 8e-3])]
+    found = events(judge(), restart, "update_norm")
+    assert [(e.step, e.severity) for e in found] == [(3, "info"), (4, "warning")]  # back to 1e-3; new 8e-3
 
 
 def test_injected_massive_activation_is_an_onset() -> None:
@@ -213,7 +259,7 @@ def test_post_norm_without_warmup_is_flagged_at_step_zero_and_not_with_warmup() 
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         cfg = stabkit.MonitorConfig(console=False, tensorboard=False, jsonl=False, log_every=5)
         mon = stabkit.attach(model, opt, config=cfg, warmup_steps=warmup, lr=1e-2)
-        for x, y in text_batches(5, 8, 64, seed=0):
+        for x, y in text_batches(8, 8, 64, seed=0):
             loss = torch.nn.functional.cross_entropy(
                 model(x).reshape(-1, model.config.vocab_size), y.reshape(-1)
             )
@@ -226,7 +272,7 @@ def test_post_norm_without_warmup_is_flagged_at_step_zero_and_not_with_warmup() 
         assert ("post_norm_no_warmup" in audit) == (placement == "post" and not warmup)
         return [e for e in mon.events if e.kind == "depth_grad"]
 
-    flagged = run("post", None)
-    assert [e.step for e in flagged] == [0] and flagged[0].value > 1.3
+    flagged = run("post", None)  # constant LR: no warmup, seen over steps 1..5
+    assert [e.step for e in flagged] == [5] and flagged[0].value > 1.3 and flagged[0].details["since"] == 0
     assert run("post", 100) == []
     assert run("pre", None) == []
