@@ -5,18 +5,27 @@ notes; closed at `detach`. What lands in the run:
 
 - metrics under the names TensorBoard uses (``act/blocks.0/rms``; MLflow keys take ``/``), each at
   the monitor's step (characters MLflow refuses become ``_``; ±inf is stored as ±1.8e308);
-- each event as the metric ``events/<kind>`` at its step, and in the artifacts
-  ``stabkit/events.json`` (``{"events": [...]}``: every event so far, with its advice) and
-  ``stabkit/events.md`` (one line each, as the console prints them);
+- each event as the metric ``events/<kind>`` at its step; the events so far in ONE artifact
+  ``stabkit/events.json`` (``{"events": [...]}``: every event with its severity, incident id and
+  advice) and ``stabkit/events.md`` (one line each), rewritten at the flush after an event; the
+  incidents (``write_record("incident", ...)``; the last record of an id wins) likewise in
+  ``stabkit/incidents.json`` (``{"incidents": [...]}``) and ``stabkit/incidents.md`` (one headline
+  each); the count of events of each severity as the metrics ``events/info``, ``events/warning``,
+  ``events/critical``;
 - text notes as ``stabkit/<tag>.md`` artifacts (``stabkit/audit.md``, ``stabkit/model_map.md``); the
   audit report once more as ``stabkit/audit.json``;
 - the monitor's settings as parameters ``stabkit.<field>`` (``stabkit.detect.options.spike.window``).
 
-Writes run on a background thread (`stabkit.sinks.background`): a log interval's metrics are queued
-at its flush, events and close wait until everything queued is stored. `MlflowOptions.join`: with an
-active run (``mlflow.active_run()``, else ``MLFLOW_RUN_ID``) stabkit logs into it — metric names
-prefixed ``stabkit/`` unless `MlflowOptions.prefix` says otherwise; parameters it already has are
-kept — and never ends it; otherwise it starts its own run and ends it (FINISHED) at `detach`.
+Never stalls training: at `attach` an http(s) server that does not accept a connection within
+`stabkit.sinks.trackers.CONNECT_BUDGET` seconds is called unreachable (``connection refused``) and
+the sink is off at once (one warning). Every MLflow call runs on a background thread
+(`stabkit.sinks.background`): the training thread only hands it what was kept since the last flush,
+and `detach` waits at most `stabkit.sinks.background.BUDGET` seconds (the thread writes the rest,
+and ends the run, after it). A call hanging longer than `stabkit.sinks.background.STALL` seconds
+switches the sink off, naming the cause. `MlflowOptions.join`: with an active run
+(``mlflow.active_run()``, else ``MLFLOW_RUN_ID``) stabkit logs into it — metric names prefixed
+``stabkit/`` unless `MlflowOptions.prefix` says otherwise; parameters it already has are kept — and
+never ends it; otherwise it starts its own run and ends it (FINISHED) after `detach`.
 """
 
 from __future__ import annotations
@@ -32,6 +41,8 @@ from ..events import Event
 from .background import Background
 from .jsonl import json_safe
 from .trackers import (
+    TrackerError,
+    endpoint_problem,
     flat_params,
     metric_prefix,
     note_path,
@@ -40,6 +51,7 @@ from .trackers import (
     run_name,
     run_params,
     safe_key,
+    severity_counts,
     translated,
 )
 
@@ -47,6 +59,8 @@ BATCH = 1000
 """Metrics per `log_batch` call (MLflow's limit)."""
 PARAM_BATCH = 100
 """Parameters per `log_batch` call (MLflow's limit)."""
+EVENTS_JSON, EVENTS_MD = "stabkit/events.json", "stabkit/events.md"
+INCIDENTS_JSON, INCIDENTS_MD = "stabkit/incidents.json", "stabkit/incidents.md"
 
 
 class MlflowSink:
@@ -72,6 +86,10 @@ class MlflowSink:
             self.tracking_uri: str | None = (
                 mlflow.get_tracking_uri() if active is not None else options.tracking_uri
             )
+            uri = self.tracking_uri or mlflow.get_tracking_uri()  # the environment's; no network
+        problem = endpoint_problem(uri)
+        if problem is not None:
+            raise TrackerError(f"the MLflow tracking server {uri} is unreachable ({problem})")
         if run_id is None and options.join:
             run_id = os.environ.get("MLFLOW_RUN_ID") or None
         self.owned = run_id is None
@@ -83,11 +101,13 @@ class MlflowSink:
         self.prefix = metric_prefix(options.prefix, joined=not self.owned)
         self._keys: dict[str, str] = {}
         self._pending: list[Any] = []
-        self._events: list[dict[str, Any]] = []
-        self._event_lines: list[str] = []
+        self._events: list[Event] = []
+        self._incidents: dict[int, dict[str, Any]] = {}
+        self._dirty = False
+        """Events or incidents came since the files were last queued."""
         self._notes: dict[str, list[tuple[int, str]]] = {}
         self._records: dict[str, list[dict[str, Any]]] = {}
-        self.writer = Background("MLflow")
+        self.writer = Background("MLflow", diagnose=lambda: unreachable(uri))
         params = {safe_key(k): v for k, v in flat_params(run_params(config)).items()}
         self._run("open the run", lambda: self._open(options, params, logdir))
 
@@ -160,42 +180,66 @@ class MlflowSink:
             with translated(self._errors, f"MLflow could not {what}"):
                 job()
 
-        self.writer.submit(guarded)
+        self.writer.submit(guarded, what)
 
     def write_metrics(self, step: int, values: dict[str, float]) -> None:
-        """Queue one logged step's metrics (written at the next flush, in batches)."""
+        """Keep one logged step's metrics (queued at the next flush, in batches)."""
         now = int(time.time() * 1000)
         metric = self._metric
         self._pending.extend(metric(self._key(k), float(v), now, int(step)) for k, v in values.items())
 
-    def _submit_pending(self) -> None:
-        if not self._pending:
+    def _submit(self, force: bool = False) -> None:
+        """Queue what was kept since the last time — metrics, and the events and incidents files when
+        they changed — as one job; while the writer is busy with earlier ones it stays kept (nothing
+        waits) unless `force` (at close)."""
+        if not (self._pending or self._dirty) or not (force or self.writer.room()):
             return
         pending, self._pending = self._pending, []
+        files: dict[str, Any] = {}
+        if self._dirty:
+            self._dirty = False
+            files = self._tables()
+            now, step = int(time.time() * 1000), max(e.step for e in self._events)
+            pending += [
+                self._metric(self._key(f"events/{severity}"), float(n), now, step)
+                for severity, n in severity_counts(self._events).items()
+            ]
 
         def log() -> None:
             for i in range(0, len(pending), BATCH):
                 self.client.log_batch(self.run_id, metrics=pending[i : i + BATCH])
+            for path, content in files.items():
+                if path.endswith(".json"):
+                    self.client.log_dict(self.run_id, content, path)
+                else:
+                    self.client.log_text(self.run_id, content, path)
 
-        self._run(f"store {len(pending)} metric value(s)", log)
+        what = f"store {len(pending)} metric value(s)" + (" and the events" if files else "")
+        self._run(what, log)
+
+    def _tables(self) -> dict[str, Any]:
+        """The events and incidents files as they stand: path -> content (dict for JSON, else text)."""
+        incidents = [self._incidents[i] for i in sorted(self._incidents)]
+        files: dict[str, Any] = {
+            EVENTS_JSON: {"events": [json_safe(e.to_dict()) for e in self._events]},
+            EVENTS_MD: "".join(f"[{getattr(e, 'severity', 'warning')}] {e}\n" for e in self._events),
+        }
+        if incidents:
+            files[INCIDENTS_JSON] = {"incidents": incidents}
+            files[INCIDENTS_MD] = "".join(
+                f"[{r.get('severity', '')}] {r.get('headline', '')}\n" for r in incidents
+            )
+        return files
 
     def write_event(self, event: Event) -> None:
-        """The event as metric ``events/<kind>`` and in the events artifacts; waits until stored."""
+        """Keep the event: metric ``events/<kind>`` at its step, a row of the events files (queued at
+        the next flush)."""
         now = int(time.time() * 1000)
         self._pending.append(
             self._metric(self._key(f"events/{event.kind}"), float(event.value), now, event.step)
         )
-        self._submit_pending()
-        self._events.append(json_safe(event.to_dict()))
-        self._event_lines.append(str(event))
-        events, lines = {"events": list(self._events)}, "\n".join(self._event_lines) + "\n"
-
-        def log() -> None:
-            self.client.log_dict(self.run_id, events, "stabkit/events.json")
-            self.client.log_text(self.run_id, lines, "stabkit/events.md")
-
-        self._run("store the events", log)
-        self.writer.wait()
+        self._events.append(event)
+        self._dirty = True
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """The note as artifact ``stabkit/<tag>.md`` (a tag written again gets a section per step)."""
@@ -205,8 +249,15 @@ class MlflowSink:
         self._run(f"store the note {tag!r}", lambda: self.client.log_text(self.run_id, content, path))
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
-        """A structured record (the audit report) as artifact ``stabkit/<kind>.json`` (``{"records":
-        [...]}`` when the kind comes more than once)."""
+        """An ``incident`` record updates its row of the incidents files (queued at the next flush;
+        the last record of an id wins); another record (the audit report) is stored as artifact
+        ``stabkit/<kind>.json`` (``{"records": [...]}`` when the kind comes more than once)."""
+        if kind == "incident":
+            self._incidents[int(data.get("id", -1))] = json_safe(data)
+            self._dirty = True
+            return
+        if kind == "run":  # the JSONL log's; MLflow has the run's own start time and tags
+            return
         records = self._records.setdefault(kind, [])
         records.append(json_safe(data))
         content = records[0] if len(records) == 1 else {"records": list(records)}
@@ -214,18 +265,26 @@ class MlflowSink:
         self._run(f"store the {kind} record", lambda: self.client.log_dict(self.run_id, content, path))
 
     def flush(self) -> None:
-        """Queue the metrics written since the last flush; raise what the writer failed at since."""
-        self._submit_pending()
+        """Queue what was kept since the last flush (when the writer has room); raise what the
+        writer failed at since. Never waits."""
         self.writer.check()
+        self._submit()
 
     def close(self) -> None:
-        """Write everything queued, then end the run if stabkit started it (FINISHED). Safe to call twice."""
+        """Queue everything kept, then the end of the run if stabkit started it (FINISHED); wait at
+        most `stabkit.sinks.background.BUDGET` seconds: the writer finishes the rest after `detach`. Safe to call twice."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._submit_pending()
+            self._submit(force=True)
             if self.owned:
                 self._run("end the run", lambda: self.client.set_terminated(self.run_id))
         finally:
             self.writer.stop()
+
+
+def unreachable(uri: str | None) -> str | None:
+    """``<uri> is unreachable (connection refused)`` when its server does not answer now, else None."""
+    problem = endpoint_problem(uri, budget=1.0)
+    return f"{uri} is unreachable ({problem})" if problem else None

@@ -14,18 +14,35 @@ import dataclasses
 import importlib
 import json
 import re
+import socket
+import threading
+import urllib.parse
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
-from ..events import Event
+from ..events import SEVERITIES, Event
 from .jsonl import json_safe
 
 STEP_KEY = "stabkit/step"
 """The monitor's step, logged with every row: the x-axis of stabkit's charts in a tracker (W&B's own
 step counter is shared with the user's logging, so stabkit never sets it)."""
-EVENT_COLUMNS = ("step", "kind", "where", "value", "threshold", "message", "advice", "details")
-"""Columns of the events table (W&B) and the keys of each event in ``stabkit/events.json`` (MLflow)."""
+EVENT_COLUMNS = (
+    "step",
+    "severity",
+    "kind",
+    "where",
+    "value",
+    "threshold",
+    "message",
+    "advice",
+    "incident",
+    "details",
+)
+"""Columns of the W&B events table (one row per event; ``incident`` is its incident's id)."""
+INCIDENT_COLUMNS = ("id", "severity", "first_step", "last_step", "kinds", "members", "first", "headline")
+"""Columns of the incidents table (W&B) and the keys of ``stabkit/incidents.json`` (MLflow): one row
+per incident, as it last stood."""
 AUDIT_COLUMNS = ("severity", "rule", "where", "evidence", "why", "fix")
 """Columns of the audit table: one row per finding."""
 NOT_PARAMS = ("wandb", "mlflow")
@@ -136,18 +153,82 @@ def run_name(name: str | None, logdir: str | Path | None) -> str | None:
 
 
 def event_row(event: Event) -> list[Any]:
-    """One event in `EVENT_COLUMNS` order (details as JSON text)."""
+    """One event in `EVENT_COLUMNS` order (details as JSON text; incident -1 when it has none)."""
     details = json.dumps(json_safe(event.details), default=str) if event.details else ""
+    incident = event.details.get("incident") if event.details else None
     return [
         int(event.step),
+        str(getattr(event, "severity", "warning")),
         event.kind,
         str(event.where),
         float(event.value),
         float(event.threshold),
         event.message,
         event.advice,
+        int(incident) if isinstance(incident, int | float) else -1,
         details,
     ]
+
+
+def incident_row(record: Mapping[str, Any]) -> list[Any]:
+    """An ``incident`` record (`stabkit.incidents.Incident.to_dict`) in `INCIDENT_COLUMNS` order
+    (kinds joined by commas)."""
+    return [
+        int(record.get("id", -1)),
+        str(record.get("severity", "")),
+        int(record.get("first_step", -1)),
+        int(record.get("last_step", -1)),
+        ", ".join(map(str, record.get("kinds", []))),
+        int(record.get("members", 0)),
+        str(record.get("first", "")),
+        str(record.get("headline", "")),
+    ]
+
+
+def severity_counts(events: list[Event]) -> dict[str, int]:
+    """How many events of each severity (every one of `SEVERITIES`, zeros included)."""
+    counts = dict.fromkeys(SEVERITIES, 0)
+    for event in events:
+        severity = str(getattr(event, "severity", "warning"))
+        counts[severity] = counts.get(severity, 0) + 1
+    return counts
+
+
+CONNECT_BUDGET = 3.0
+"""Seconds a tracker's server gets to accept a connection at `attach` before it is called unreachable."""
+
+
+def endpoint_problem(url: str | None, budget: float = CONNECT_BUDGET) -> str | None:
+    """Why an http(s) `url`'s server cannot be reached — ``connection refused``, ``the name 'x' does
+    not resolve``, ``no answer within 3 s`` — or None when a TCP connection opens (or `url` is not
+    http(s)). Takes at most `budget` seconds (name lookup included: it runs on a helper thread)."""
+    parsed = urllib.parse.urlsplit(url or "")
+    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+        return None
+    host = parsed.hostname
+    try:
+        port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    except ValueError:
+        return f"bad port in {url!r}"
+    found: list[str | None] = []
+
+    def connect() -> None:
+        try:
+            socket.create_connection((host, port), timeout=budget).close()
+            found.append(None)
+        except ConnectionRefusedError:
+            found.append("connection refused")
+        except socket.gaierror as exc:
+            found.append(f"the name {host!r} does not resolve ({exc.strerror or exc})")
+        except TimeoutError:
+            found.append(f"no answer within {budget:g} s")
+        except OSError as exc:
+            found.append(f"unreachable: {exc.strerror or exc}")
+
+    helper = threading.Thread(target=connect, name="stabkit endpoint check", daemon=True)
+    helper.start()
+    helper.join(budget)
+    return found[0] if found else f"no answer within {budget:g} s"
 
 
 def audit_rows(report: Mapping[str, Any]) -> list[list[str]]:

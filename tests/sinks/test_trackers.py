@@ -18,6 +18,8 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -39,11 +41,14 @@ from stabkit.sinks.jsonl import json_safe
 from stabkit.sinks.trackers import (
     TrackerError,
     audit_rows,
+    endpoint_problem,
     event_row,
     flat_params,
+    incident_row,
     note_path,
     run_params,
     safe_key,
+    severity_counts,
 )
 from stabkit.tables import fill
 
@@ -79,6 +84,18 @@ def tracker_failures(mon: stabkit.Monitor) -> dict[str, str]:
     return {k: v for k, v in mon.sinks.failures.items() if "W&B" in k or "MLflow" in k}
 
 
+def settle(mon: stabkit.Monitor) -> None:
+    """Wait until the trackers' writers have stored what `detach` left them (it waits 2 s at most)."""
+    for sink in mon.sinks.files:
+        writer = getattr(sink, "writer", None)
+        if isinstance(writer, Background):
+            assert writer.join(120), f"{sink} still writing after 120 s"
+
+
+def unreachable_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "stabkit: cannot write" in str(w.message)]
+
+
 # ------------------------------------------------------------------ settings and helpers (no package)
 def test_switches_take_true_a_dict_or_options_and_name_a_bad_key() -> None:
     assert MonitorConfig().wandb is None and MonitorConfig(mlflow=False).mlflow is None
@@ -107,17 +124,31 @@ def test_params_names_and_rows() -> None:
     assert safe_key("act//rms") == "act/_/rms" and safe_key("act/h[0]:x/rms") == "act/h_0__x/rms"
     assert safe_key("act/blocks.0.attn/max_logit") == "act/blocks.0.attn/max_logit"
     assert note_path("stabkit/audit") == "stabkit/audit.md" and note_path("mine") == "stabkit/mine.md"
-    ev = Event(3, "spike", "loss", math.inf, 2.0, "loss spiked", "lower the LR", {"series": "loss"})
+    ev = Event(3, "spike", "loss", math.inf, 2.0, "loss spiked", "lower the LR", {"incident": 2}, "critical")
     assert event_row(ev) == [
         3,
+        "critical",
         "spike",
         "loss",
         math.inf,
         2.0,
         "loss spiked",
         "lower the LR",
-        '{"series": "loss"}',
+        2,
+        '{"incident": 2}',
     ]
+    assert event_row(Event(1, "drift", "x", 1.0, 2.0, "m"))[1::7] == ["warning", -1]  # no incident
+    record = {
+        "id": 4,
+        "first_step": 7,
+        "last_step": 9,
+        "severity": "critical",
+        "kinds": ["nonfinite", "spike"],
+    }
+    record |= {"members": 3, "first": "loss", "headline": "incident 4 at steps 7–9: ..."}
+    assert incident_row(record) == [4, "critical", 7, 9, "nonfinite, spike", 3, "loss", record["headline"]]
+    evs = [Event(0, "a", "x", 0, 0, "m", severity=s) for s in ("info", "critical", "critical")]
+    assert severity_counts(evs) == {"info": 1, "warning": 0, "critical": 2}
     finding = {
         "severity": "risk",
         "rule": "r",
@@ -131,10 +162,10 @@ def test_params_names_and_rows() -> None:
 
 def test_background_writer_keeps_order_and_raises_a_jobs_error_in_the_caller() -> None:
     done: list[int] = []
-    writer = Background("test", limit=2, timeout=5.0)
+    writer = Background("test", limit=2, budget=5.0)
     for i in range(5):
         writer.submit(lambda i=i: done.append(i))
-    writer.wait()
+    assert writer.wait()
     assert done == [0, 1, 2, 3, 4]
 
     def boom() -> None:
@@ -147,6 +178,55 @@ def test_background_writer_keeps_order_and_raises_a_jobs_error_in_the_caller() -
     with pytest.raises(TrackerError, match="store down"):
         writer.stop()
     assert done == [0, 1, 2, 3, 4]
+
+
+def test_a_hung_store_costs_the_caller_a_bounded_wait_and_is_named_once_stalled() -> None:
+    """A job that never returns: submit, wait and stop each give up after `budget`; once the job has
+    run past `stall` the writer says so with the cause `diagnose` finds."""
+    release = threading.Event()
+    writer = Background("store", limit=1, budget=0.3, stall=1.0, diagnose=lambda: "connection refused")
+    writer.submit(lambda: release.wait(30), "store 5 metric value(s)")
+    writer.submit(lambda: None)  # queued behind the hung job: the queue is now full
+    t0 = time.monotonic()
+    with pytest.raises(TrackerError, match="not keeping up"):
+        writer.submit(lambda: None)
+    assert writer.wait() is False
+    assert time.monotonic() - t0 < 0.3 * 2 + 0.5  # two budgets, not the hung job's 30 s
+    writer.check()  # still within `stall`: not (yet) an error
+    time.sleep(1.1)
+    with pytest.raises(
+        TrackerError,
+        match=r"store has not answered for \d+ s \(store 5 metric value\(s\)\): connection refused",
+    ):
+        writer.check()
+    t0 = time.monotonic()
+    with pytest.raises(TrackerError, match="has not answered"):
+        writer.stop()
+    assert time.monotonic() - t0 < 0.2  # a hung writer is not waited for again
+    release.set()
+
+
+def test_stop_hands_what_is_left_to_the_thread_after_its_budget() -> None:
+    done: list[int] = []
+    writer = Background("slow", budget=0.2)
+    for i in range(3):
+        writer.submit(lambda i=i: (time.sleep(0.15), done.append(i)))
+    t0 = time.monotonic()
+    assert writer.stop() is False  # returned after the budget, the queue not yet written
+    assert time.monotonic() - t0 < 0.5 and done != [0, 1, 2]
+    assert writer.join(10) and done == [0, 1, 2]  # ... and written after it
+
+
+def test_endpoint_problem_names_a_refused_connection_and_accepts_a_listening_port() -> None:
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(1)
+        port = server.getsockname()[1]
+        assert endpoint_problem(f"http://127.0.0.1:{port}") is None
+    assert endpoint_problem(f"http://127.0.0.1:{port}") == "connection refused"  # closed now
+    assert endpoint_problem("http://127.0.0.1:9/api") == "connection refused"
+    assert endpoint_problem("sqlite:///x.db") is None and endpoint_problem(None) is None
+    assert endpoint_problem("databricks") is None
 
 
 def test_missing_packages_name_the_extra_and_training_goes_on(
@@ -233,6 +313,7 @@ def test_mlflow_round_trip(tmp_path: Path, mlflow_uri: str) -> None:
 
     opts = {"tracking_uri": mlflow_uri, "experiment": "stabkit-test", "tags": {"team": "lm"}}
     mon = train(tmp_path / "exp1", mlflow=opts)
+    settle(mon)
     assert tracker_failures(mon) == {}
     client = MlflowClient(mlflow_uri)
     exp = client.get_experiment_by_name("stabkit-test")
@@ -247,25 +328,35 @@ def test_mlflow_round_trip(tmp_path: Path, mlflow_uri: str) -> None:
     for step, values in mon.history:
         for name, value in values.items():
             want.setdefault(name, []).append((step, value))
-    assert set(run.data.metrics) == {*want, "events/nonfinite"}
+    counts = {f"events/{s}" for s in ("info", "warning", "critical")}
+    assert set(run.data.metrics) == {*want, "events/nonfinite", *counts}
     for name, series in want.items():
         got = [(m.step, m.value) for m in client.get_metric_history(rid, name)]
         assert [s for s, _ in got] == [s for s, _ in series], name
         assert all(same(g, w) for (_, g), (_, w) in zip(got, series)), name
     [event] = client.get_metric_history(rid, "events/nonfinite")
     assert event.step == NAN_STEP and math.isnan(event.value)
+    [ev] = mon.events
+    for severity in ("info", "warning", "critical"):  # counts of events by severity
+        [count] = client.get_metric_history(rid, f"events/{severity}")
+        assert (count.step, count.value) == (NAN_STEP, float(severity == ev.severity))
     acc = EventAccumulator(str(mon.logdir), size_guidance={"scalars": 0})
     acc.Reload()
-    assert set(acc.Tags()["scalars"]) == set(run.data.metrics)  # the same names as TensorBoard
+    assert set(acc.Tags()["scalars"]) | counts == set(run.data.metrics)  # TensorBoard's names
 
     files = set(mlflow_files(client, rid))
-    assert files == {
-        f"stabkit/{n}" for n in ("audit.md", "audit.json", "model_map.md", "events.json", "events.md")
-    }
+    names = ("audit.md", "audit.json", "model_map.md", "events.json", "events.md")
+    assert files == {f"stabkit/{n}" for n in (*names, "incidents.json", "incidents.md")}
     events = json.loads(mlflow_read(client, rid, "stabkit/events.json", tmp_path / "dl"))["events"]
     assert events == [json_safe(e.to_dict()) for e in mon.events]
-    assert events[0]["kind"] == "nonfinite" and events[0]["advice"]
-    assert mlflow_read(client, rid, "stabkit/events.md", tmp_path / "dl") == f"{mon.events[0]}\n"
+    assert events[0]["kind"] == "nonfinite" and events[0]["advice"] and events[0]["severity"] == ev.severity
+    assert mlflow_read(client, rid, "stabkit/events.md", tmp_path / "dl") == f"[{ev.severity}] {ev}\n"
+    [incident] = mon.incidents.incidents
+    incidents = json.loads(mlflow_read(client, rid, "stabkit/incidents.json", tmp_path / "dl"))
+    assert incidents == {"incidents": [json_safe(incident.to_dict())]}
+    assert ev.details["incident"] == incident.id
+    lines = mlflow_read(client, rid, "stabkit/incidents.md", tmp_path / "dl")
+    assert lines == f"[{incident.severity}] {incident.headline()}\n"
     assert mlflow_read(client, rid, "stabkit/audit.md", tmp_path / "dl") == mon.audit_report.to_markdown()
     audit = json.loads(mlflow_read(client, rid, "stabkit/audit.json", tmp_path / "dl"))
     assert audit == json_safe(mon.audit_report.to_dict())
@@ -286,6 +377,7 @@ def test_mlflow_joins_the_active_run_and_leaves_it_running(
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             mon = train(tmp_path / "run", mlflow=True)
+            settle(mon)
         assert client.get_run(mine.info.run_id).info.status == "RUNNING"  # stabkit did not end it
         mlflow.log_metric("loss", 0.5, step=1)  # the user's own logging goes on
     assert tracker_failures(mon) == {}
@@ -301,22 +393,68 @@ def test_mlflow_joins_the_active_run_and_leaves_it_running(
     assert [m.step for m in ours] == list(range(STEPS))
 
 
-def test_unreachable_mlflow_server_never_stops_training(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_unreachable_mlflow_server_costs_seconds_and_one_warning_naming_it(tmp_path: Path) -> None:
+    """Nothing listens on 127.0.0.1:9: attach, 20 steps and detach stay within seconds (MLflow's own
+    retries would take minutes), and one warning says "connection refused", at attach."""
     pytest.importorskip("mlflow", reason="pip install -e '.[mlflow]'")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
-    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_TIMEOUT", "5")
-    with socket.socket() as s:  # a loopback port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    with pytest.warns(RuntimeWarning, match="cannot write the MLflow run .*Connection refused"):
-        mon = train(tmp_path / "run", mlflow={"tracking_uri": f"http://127.0.0.1:{port}"}, strict=True)
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = train(tmp_path / "run", steps=20, mlflow={"tracking_uri": "http://127.0.0.1:9"}, strict=True)
+    assert time.monotonic() - t0 < 15
+    [said] = unreachable_warnings(caught)
+    assert "the MLflow tracking server http://127.0.0.1:9 is unreachable (connection refused)" in said
     [(name, why)] = tracker_failures(mon).items()
-    assert name.startswith("the MLflow run") and "MLflow could not open the run" in why
-    assert [s for s, _ in mon.history] == list(range(STEPS)) and [e.kind for e in mon.events] == ["nonfinite"]
+    assert name == "the MLflow run" and "connection refused" in why
+    assert [s for s, _ in mon.history] == list(range(20)) and [e.kind for e in mon.events] == ["nonfinite"]
     logged = [r["step"] for r in read_jsonl(mon.logdir / LOG_NAME) if r["type"] == "metrics"]
-    assert logged == list(range(STEPS))
+    assert logged == list(range(20))
+
+
+def test_a_tracking_store_that_hangs_mid_run_never_holds_a_step_or_detach(
+    tmp_path: Path, mlflow_uri: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every metric write hangs (a server that stopped answering): the steps and detach wait at most
+    the budget each; once the write runs past `stall`, one warning says so."""
+    from mlflow.tracking import MlflowClient
+
+    import stabkit.sinks.background as background
+
+    release = threading.Event()
+    real = MlflowClient.log_batch
+
+    def log_batch(self: Any, run_id: str, metrics: Any = (), **kw: Any) -> Any:
+        if metrics:
+            release.wait(60)
+        return real(self, run_id, metrics=metrics, **kw)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", log_batch)
+    monkeypatch.setattr(background, "STALL", 1.0)
+    monkeypatch.setattr(background, "BUDGET", 0.5)
+    slow: list[float] = []
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.manual_seed(0)
+        model = reference_gpt()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        cfg = MonitorConfig(every=2, log_every=5, console=False, mlflow={"tracking_uri": mlflow_uri})
+        with stabkit.attach(model, opt, logdir=tmp_path / "run", config=cfg) as mon:
+            for s in range(20):
+                x, y = batch(s)
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                t = time.monotonic()
+                mon.step(loss)
+                slow.append(time.monotonic() - t)
+                opt.zero_grad()
+                time.sleep(0.1)
+    release.set()
+    assert time.monotonic() - t0 < 30 and max(slow) < 1.5  # no step held past the budget
+    [said] = unreachable_warnings(caught)
+    assert "MLflow has not answered for" in said and "store" in said
+    assert [s for s, _ in mon.history] == list(range(20))
 
 
 def test_mlflow_writes_that_fail_mid_run_switch_the_sink_off_once(
@@ -336,6 +474,7 @@ def test_mlflow_writes_that_fail_mid_run_switch_the_sink_off_once(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mon = train(tmp_path / "run", mlflow={"tracking_uri": mlflow_uri}, strict=True)
+        settle(mon)
     said = [str(w.message) for w in caught if "cannot write the MLflow run" in str(w.message)]
     assert len(said) == 1 and "tracking server went away" in said[0]
     assert "MLflow could not store" in next(iter(tracker_failures(mon).values()))
