@@ -1,6 +1,7 @@
 """The `stabkit` command line: thin click commands over the library."""
 
 from . import (  # noqa: F401  (register commands)
+    alarms_cmd,
     bench_cmd,
     demo_cmd,
     inspect_cmd,
