@@ -6,6 +6,7 @@ import sys
 from typing import Any, TextIO
 
 from ..events import Event, severity_rank
+from .audit_console import audit_block
 
 HEADLINE = (
     ("loss", "loss"),
@@ -73,7 +74,12 @@ class ConsoleSink:
         self._print(event_line(event))
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
-        """Records are for the JSONL log: nothing to do here."""
+        """The audit at attach: its risks as a short block (`stabkit.sinks.audit_console`); other
+        records are for the JSONL log."""
+        if kind == "audit":
+            block = audit_block(data)
+            if block is not None:
+                self._print(block)
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """Texts (audit reports) are not echoed on the console."""

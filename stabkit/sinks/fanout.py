@@ -183,7 +183,7 @@ class SinkSet:
             self._call(sink, "write_event", event)
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
-        """Structured data (the JSONL log keeps it; TensorBoard and the console ignore it)."""
+        """Structured data (the JSONL log keeps it; the console prints the audit's risks, TensorBoard ignores it)."""
         if self.closed:
             return
         for sink in self._all():
