@@ -23,6 +23,19 @@ negative (keys left unattended) — a drift event would name the fix that is alr
 
 After an event a series stays quiet for one window, so a drift is reported once per window.
 The levels keep early-training growth from init (attention logits ~3 → ~10) silent.
+
+**Severity.** Growth while the model keeps learning is not yet trouble: Muon grows the residual
+stream steadily (Llama + Muon: ``act/*/rms`` past 30× its start at step 190 while the loss fell to
+1.94), and attention logits grow as heads sharpen. So a drift is a *note* ('info') while the loss
+still falls over the drift's window (the median of the window's last third below that of its first
+third; the detector reads ``loss`` for it) and the value is below its danger line; a *warning* when
+the loss has stopped falling, or the value is past the danger line:
+
+| series | danger line | why |
+|---|---|---|
+| attention max logit | ``attn_logit_danger`` (1e3) | Wortsman et al. Fig. 10: forcing the logit to ~1e3 degrades the loss; runs above 1e4 diverged |
+| \\|log Z − log V\\| | ``logz_danger`` (20 nats) | twice the drift level: softmax saturates, bf16 loses the logits' resolution |
+| residual RMS | ``residual_danger`` (300× its start) | ten times the drift level |
 """
 
 from __future__ import annotations
@@ -41,6 +54,9 @@ from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
 from .rolling import median_sorted
+
+LOSS_KEPT = 4096
+"""Newest losses the drift detector keeps (a window of 20 values sampled every 100 steps spans 2000)."""
 
 WORTSMAN_DIVERGED = 1e4
 """Wortsman et al. 2023: every run whose max attention logit exceeded 1e4 diverged."""
@@ -64,6 +80,13 @@ class DriftOptions:
     """Drift on residual RMS only above this multiple of the series' first values (Rybakov et al.: 2× in diverging runs)."""
     residual_growth: float = field(default=0.25, metadata=bounds(lo=0, lo_open=True))
     """... and when the fitted RMS grew by at least this fraction over the window."""
+    attn_logit_danger: float = field(default=1e3, metadata=bounds(lo=0, lo_open=True))
+    """A drifting max |logit| at or above this is a warning even while the loss falls."""
+    logz_danger: float = field(default=20.0, metadata=bounds(lo=0, lo_open=True))
+    """A drifting |log Z − log V| at or above this many nats is a warning even while the loss falls."""
+    residual_danger: float = field(default=300.0, metadata=bounds(lo=0, lo_open=True))
+    """A drifting residual RMS at or above this multiple of its first values is a warning even while
+    the loss falls."""
 
 
 @dataclass
@@ -137,10 +160,12 @@ class DriftDetector(Detector):
                 "residual", "log", c.residual_level, c.residual_growth, relative_level=True
             )
         self.series: dict[str, DriftSeries] = {}
+        self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_KEPT)
+        """(step, loss) of the newest steps: whether the loss still falls over a drift's window."""
 
     def wants(self, name: str) -> bool:
-        """True when `name` is a drift series."""
-        return name in self.rules
+        """True when `name` is a drift series, or the loss."""
+        return name in self.rules or name == "loss"
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """A drift event per series whose window shows sustained growth."""
@@ -157,6 +182,10 @@ class DriftDetector(Detector):
 
     def update(self, step: int, name: str, x: float) -> Event | None:
         """Consume value `x` of series `name` at `step`; a drift event or None."""
+        if name == "loss":
+            if math.isfinite(x):
+                self.losses.append((step, x))
+            return None
         rule = self.rules.get(name)
         if rule is None or not math.isfinite(x):
             return None
@@ -246,7 +275,42 @@ class DriftDetector(Detector):
                 f"(|log Z − log V| = {end:.2f})"
             )
             details["offset"] = end
-        return Event(step, "drift", name, last, level, f"{name} {what}", details=details)
+        severity, why = self._severity(rule, s, last, end)
+        details["loss_falling"] = why.startswith("while")
+        return Event(
+            step, "drift", name, last, level, f"{name} {what} {why}", details=details, severity=severity
+        )
+
+    def _severity(self, rule: DriftRule, s: DriftSeries, last: float, end: float) -> tuple[str, str]:
+        """('info' | 'warning', the reason in words) of a drift of `rule` whose window is `s`."""
+        o = self.options
+        if rule.family == "attn_logit":
+            danger, past = o.attn_logit_danger, last >= o.attn_logit_danger
+        elif rule.family == "logz":
+            danger, past = o.logz_danger, end >= o.logz_danger
+        else:
+            danger = o.residual_danger * median_sorted(sorted(s.first))
+            past = last >= danger
+        if past:
+            return "warning", f"— past its danger line {danger:.4g}"
+        falling = self._loss_falls(s.window[0][0], s.window[-1][0])
+        if falling is None:
+            return "warning", "— the loss is not known to be falling"
+        if not falling:
+            return "warning", "— and the loss has stopped falling"
+        return (
+            "info",
+            f"while the loss still falls (a note: a warning past {danger:.4g} or once the loss stalls)",
+        )
+
+    def _loss_falls(self, start: int, end: int) -> bool | None:
+        """Whether the loss fell over steps `start`..`end`: the median of the last third of its values
+        there below the median of the first third (None: fewer than 6 values)."""
+        values = [v for t, v in self.losses if start <= t <= end]
+        if len(values) < 6:
+            return None
+        third = len(values) // 3
+        return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))
 
     def rewind(self, step: int) -> None:
         """Forget every window value from `step` on, and the cooldowns (the first values and the log

@@ -106,3 +106,39 @@ def test_real_high_lr_run_warns_about_attention_logits_and_a_low_lr_run_does_not
     assert max(logits) > 50  # the detector's level was really crossed in the measured series
     cold = run_tiny(1e-3, 200)
     assert [e for e in cold.events if e.kind == "drift"] == []
+
+
+def residual_run(det: DriftDetector, loss_at: object, steps: int = 600) -> list[stabkit.Event]:
+    """Residual RMS of blocks.0 growing 1 % per step from 1 (sampled every 10 steps), and the loss
+    of every step from `loss_at(step)`; the drift events."""
+    found = []
+    for step in range(steps):
+        det.update(step, "loss", loss_at(step))
+        if step % 10 == 0:
+            event = det.update(step, "act/blocks.0/rms", 1.01**step)
+            if event is not None:
+                found.append(event)
+    return found
+
+
+def test_growth_while_the_loss_falls_is_a_note_and_a_warning_once_it_stalls_or_passes_danger() -> None:
+    """Llama + Muon grew its residual stream past the drift level while its loss fell to 1.94: a note.
+    The same growth with a flat loss, or past the danger line, is a warning."""
+    falling = residual_run(detector(), lambda t: 4.0 * math.exp(-t / 400) + 1.5)
+    assert falling and all(e.severity == "info" for e in falling)
+    assert falling[0].details["loss_falling"] and "while the loss still falls" in falling[0].message
+    flat = residual_run(detector(), lambda t: 2.0 + 0.01 * math.sin(t))
+    assert flat and flat[0].severity == "warning" and "stopped falling" in flat[0].message
+    # the first events match: severity does not move when drift is found
+    assert [e.step for e in flat][:1] == [e.step for e in falling][:1]
+    # 1.01^t passes 300× its start (the danger line) at t ≈ 573: a warning while the loss still falls
+    danger = residual_run(detector(), lambda t: 4.0 * math.exp(-t / 400) + 1.5, steps=800)
+    late = [e for e in danger if e.value >= 300]
+    assert late and all(e.severity == "warning" for e in late) and "danger line" in late[0].message
+    # no loss at all (a monitor without the loss family): growth is a warning
+    unknown = []
+    det = detector()
+    for step in range(0, 600, 10):
+        if (event := det.update(step, "act/blocks.0/rms", 1.01**step)) is not None:
+            unknown.append(event)
+    assert unknown and unknown[0].severity == "warning"

@@ -16,10 +16,10 @@ Definitions (per run; steps are 0-based optimizer steps, as the monitor numbers 
     not; without a reference (or one that never got there either), its best point.
   A run that ends below the bigram level with finite losses is not lost.
 - **warning**: the first event of a detector (a kind in `DETECTOR_KINDS`; an action's own events,
-  e.g. ``rescue``, are not warnings).
+  e.g. ``rescue``, are not warnings) of severity 'warning' or 'critical' (a note, 'info', is not).
 - **lead time**: lost step − warning step. Warned in time when the lead time is ≥ 0 (an event on the
   very step that produced the first NaN counts: the run stopped there, not a step later).
-- **false alarm**: any detector event on a reference run (a safe setting that should be quiet).
+- **false alarm**: any detector warning on a reference run (a safe setting that should be quiet).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from ...events import severity_rank
 from ...plugins import DETECTORS
 
 
@@ -75,9 +76,14 @@ def held_out_curve(result: dict[str, Any]) -> list[tuple[int, float]]:
 def first_warning(
     events: Iterable[dict[str, Any]], kinds: frozenset[str] | None = None
 ) -> dict[str, Any] | None:
-    """The first event of a detector (in step order), or None."""
+    """The first event of a detector (in step order) of severity 'warning' or above (a note is not a
+    warning; an event logged before severities counts as one), or None."""
     allowed = detector_kinds() if kinds is None else kinds
-    warnings = [e for e in events if e.get("kind") in allowed]
+    warnings = [
+        e
+        for e in events
+        if e.get("kind") in allowed and severity_rank(str(e.get("severity", "warning"))) >= 1
+    ]
     return min(warnings, key=lambda e: int(e["step"])) if warnings else None
 
 
@@ -92,7 +98,7 @@ class RunLead:
     warned_at: int | None
     warned_by: str = ""
     events: int = 0
-    """Detector events in the run."""
+    """Detector warnings (severity 'warning' or above) in the run."""
 
     @property
     def lead(self) -> int | None:
@@ -119,8 +125,11 @@ def run_lead(
     allowed = detector_kinds() if kinds is None else kinds
     events = [e for e in result.get("event_list") or [] if e.get("kind") in allowed]
     first = first_warning(events, allowed)
-    counted = [result[f"events/{k}"] for k in sorted(allowed) if f"events/{k}" in result]
-    count = int(sum(counted)) if counted else len(events)  # the list keeps the first 50 only
+    warned = [e for e in events if severity_rank(str(e.get("severity", "warning"))) >= 1]
+    counted = int(sum(result[f"events/{k}"] for k in sorted(allowed) if f"events/{k}" in result))
+    # warnings only (notes are not alarms), from the kept list; when the list was cut (it keeps the
+    # first 50 events), the complete counts of every severity
+    count = counted if counted > len(events) else len(warned)
     return RunLead(
         seed=seed,
         role=str(result.get("role", "")),

@@ -112,6 +112,14 @@ def test_lead_times_and_false_alarms_over_seeds() -> None:
     assert "| demo | 3/4 | 3/4 | 1/3 | 5 | -10 | 1 / 1 | 2 (1/2) | drift, spike |" in table
 
 
+def test_notes_are_neither_warnings_nor_false_alarms() -> None:
+    note = {**ev("drift", 5), "severity": "info"}
+    r = result(events=[note, ev("spike", 9)], role="reference")
+    assert run_lead(0, r).events == 1  # the spike; the note is not an alarm
+    lost = result(events=[note, ev("spike", 9)], nonfinite=40)
+    assert (run_lead(0, lost).warned_at, run_lead(0, lost).warned_by) == (9, "spike")
+
+
 def test_the_event_count_is_not_capped_by_the_kept_event_list() -> None:
     r = result(events=[ev("spike", 3)], role="reference")
     r["events/spike"] = 75  # the summary keeps the first 50 events; the counts are complete
