@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from torch import nn
@@ -215,6 +216,16 @@ class MonitorConfig:
         base: dict[str, object] = dict(every=1, modules="*", attn_every=1)
         base.update(overrides)
         return cls(**base)  # type: ignore[arg-type]
+
+    @classmethod
+    def from_toml(cls, path: str | Path, **overrides: Any) -> MonitorConfig:
+        """The settings of a TOML file's ``[monitor]`` table (any field but ``detect``) and ``[detect]``
+        table (a `DetectConfig`) — the tables of a stress-test recipe — over the defaults, then
+        `overrides` (e.g. ``console=False``). Unknown keys and bad values raise ValueError naming the
+        file and the key (`stabkit.config_toml`)."""
+        from .config_toml import read_monitor_config
+
+        return read_monitor_config(path, overrides)
 
     @property
     def attention_every(self) -> int:

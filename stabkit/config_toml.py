@@ -1,0 +1,47 @@
+"""`MonitorConfig.from_toml`: a MonitorConfig from a TOML file's ``[monitor]`` and ``[detect]`` tables.
+
+The same tables as a stress-test recipe (``recipes/*.toml``): ``[monitor]`` holds any MonitorConfig
+field but ``detect`` (``every``, ``attn_every``, ``log_every``, ``modules``, ``families``, ...), and
+``[detect]`` the `DetectConfig` (``sync``, ``detectors``, ``actions``, ``options``, ...). Every key
+and value is checked by `stabkit.tables.fill` (an unknown key or a bad value is a ValueError naming
+the file and ``monitor.<key>``). Only the top-level tables are read: a recipe's ``[sizes.<name>]``
+and ``[variants.*]`` are the recipe runner's. Runs once, when called (before `attach`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from pathlib import Path
+from typing import Any
+
+from .config import MonitorConfig
+from .detect_config import DetectConfig
+from .tables import TableError, fill, keys
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+
+def read_monitor_config(path: str | Path, overrides: dict[str, Any]) -> MonitorConfig:
+    """The MonitorConfig of `path`'s ``[monitor]`` and ``[detect]`` tables (library defaults for
+    what they leave out; a file with neither gives the defaults), then `overrides` (field -> value)."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as fh:
+            doc = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{path}: not valid TOML ({exc})") from None
+    misplaced = sorted(set(doc) & set(keys(MonitorConfig)) - {"monitor", "detect"})
+    if misplaced:
+        raise ValueError(
+            f"{path}: {', '.join(misplaced)} must sit under a [monitor] table (top-level keys are not read)"
+        )
+    try:
+        detect = fill(DetectConfig, doc.get("detect"), "detect")
+        config = fill(MonitorConfig, doc.get("monitor"), "monitor", exclude=("detect",))
+    except TableError as exc:
+        raise ValueError(f"{path}: {exc}") from None
+    return dataclasses.replace(config, **{"detect": detect, **overrides})
