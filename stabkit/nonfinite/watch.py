@@ -6,9 +6,10 @@ Built by `NonfiniteDetector.device_checks` at attach (the detectors' extension p
   replay and flags a non-finite model output; `FiniteTracer` with ``per_module`` (every module);
 - `before_update` (optimizer step pre-hook): one device flag from the global gradient norm (or the
   gradients themselves), the output flag and the tracer; decided now when the kind is decided
-  every step;
+  every step, and then, on the steps the optimizer-state check runs, a negative Adam second moment
+  too (`stabkit.nonfinite.moments`: the coming update would be NaN);
 - `decide_before_update` (pre-hook, on a step decided non-finite): names the producer (tracer hit,
-  or a replay);
+  a negative second moment, or a replay);
 - `after_update` (optimizer step post-hook): the fused parameter / optimizer-state check;
 - `step_flags` / `decide_step` (at `Monitor.step`, decided every step) and `decide_row` (at the log
   interval, warn only): the loss and the update check.
@@ -31,6 +32,7 @@ from ..stats import after_update as update_notes
 from ..stats.finite import any_flag, nonfinite_flag
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
 from .localize import FaultSite, finding_event, locate_update_fault, replay
+from .moments import find_negative, negative_event, negative_flag
 from .options import NonfiniteOptions
 from .tracer import FiniteTracer
 
@@ -80,14 +82,26 @@ class NonfiniteWatch(DeviceChecks):
         self.now = False
         """This step was already reported non-finite."""
         self._update_bad: torch.Tensor | None = None
+        self._negative: torch.Tensor | None = None
+        """This step's device flag: some Adam second moment is negative (checked steps, per-step mode)."""
+        self._other: torch.Tensor | None = None
+        """This step's other pre-update flag (gradients, output, tracer): when set, the step is
+        localized as before (a NaN gradient, not the negative moment, is what the update meets first)."""
         self._origins: dict[int, Origin] = {}
 
     # ------------------------------------------------------------------ before the update
     def before_update(self, step: int, value: ValueOf, record: bool) -> torch.Tensor | None:
         """The step's flag (tracer origins and the gradient flag are kept either way), to be decided
-        now only when the kind is decided every step."""
+        now only when the kind is decided every step; then, every `update_check_every`-th step, with
+        the negative-second-moment flag (`stabkit.nonfinite.moments.negative_flag`)."""
         flag = self.flag(step, value, record)
-        return flag if self.per_step else None
+        if not self.per_step:
+            return None
+        every = self.update_check_every
+        checked = self.optimizer is not None and every and not step % every
+        self._negative = negative_flag(self.optimizer) if checked else None
+        self._other = flag
+        return any_flag([f for f in (flag, self._negative) if f is not None])
 
     def decide_before_update(self, step: int, flagged: bool) -> Event | None:
         """On a step decided non-finite: the event, with the producer when found."""
@@ -130,11 +144,36 @@ class NonfiniteWatch(DeviceChecks):
         """On a step decided non-finite before the update: the event, with the producer when found."""
         origin = self._origins.get(step)
         finding = self._origin_site(origin)
+        if finding is None and self._negative is not None:
+            negative = self._negative_moment(step)
+            if negative is not None:
+                return negative
         if finding is None and self.options.localize and self.can_replay and self.guard.forwards:
             finding = self._replay()  # starts with a cheap check for weights an earlier update broke
         repeat = self.open
         self.open = self.now = True
         event = finding_event(step, finding, "grad/global_norm", math.nan)
+        if repeat:
+            event.details["repeat"] = True
+            event.message += " (the previous step was non-finite too)"
+        return event
+
+    def _negative_moment(self, step: int) -> Event | None:
+        """The event naming a negative second moment when its flag is set (host reads, on a hit only;
+        under torch.distributed the first such parameter any rank holds, the same on every rank)."""
+        assert self._negative is not None
+        other = self._other is not None and bool(self._other)  # sync point (on a hit only)
+        hit = not other and bool(self._negative)  # sync point (on a hit only)
+        found = find_negative(self.model, self.optimizer) if hit else None
+        if process_group_active():  # every rank saw the combined flag: every rank gets here
+            names = [n for n, _ in self.model.named_parameters()]
+            order = names.index(found.param) if found is not None and found.param in names else len(names)
+            found = first_across_ranks(found, order)
+        if found is None:
+            return None
+        repeat = self.open
+        self.open = self.now = True
+        event = negative_event(step, found)
         if repeat:
             event.details["repeat"] = True
             event.message += " (the previous step was non-finite too)"
@@ -214,6 +253,7 @@ class NonfiniteWatch(DeviceChecks):
         """At `Monitor.step`, after the decisions: release what the step kept."""
         self.now = False
         self._update_bad = None
+        self._negative = self._other = None
         self.guard.end_step()
 
     # ------------------------------------------------------------------ at the log interval
