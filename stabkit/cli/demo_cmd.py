@@ -54,3 +54,22 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
         f"loss {result.initial_loss:.3f} -> {result.final_loss:.3f} (validation {val.val_loss:.3f}); "
         f"statistics in {folder}; view with: tensorboard --logdir {folder.parent}"
     )
+    for line in found(monitor, folder):
+        click.echo(line)
+
+
+def found(monitor: Any, folder: Any) -> list[str]:
+    """After the demo's training: what the detectors found, one line per incident (the events of one
+    cause), the distinct advice, and where to read more."""
+    events = list(monitor.events)
+    if not events:
+        return ["events: none (the detectors found nothing to report)"]
+    incidents = list(getattr(getattr(monitor, "incidents", None), "incidents", []))
+    lines = [f"events: {len(events)}" + (f" in {len(incidents)} incident(s)" if incidents else "")]
+    if incidents:
+        lines += [f"  {i.severity:<8} {i.headline()}" for i in incidents]
+    else:
+        lines += [f"  {e.severity:<8} {e}" for e in events]
+    lines += [f"  advice: {a}" for a in dict.fromkeys(e.advice for e in events if e.advice)]
+    lines.append(f"every event: stabkit report {folder} --members; a picture: add --plot demo.png")
+    return lines

@@ -49,21 +49,34 @@ def reading(label: str, paths: Sequence[Path]) -> Iterator[Phase | None]:
     type=click.IntRange(0),
     default=20,
     show_default=True,
-    help="Events shown per variant.",
+    help="Incidents (or, in logs without incidents, events) shown per variant.",
 )
-def report_command(logdir: str, max_events: int) -> None:
+@click.option("--members", is_flag=True, help="List each incident's events under it.")
+@click.option(
+    "--plot",
+    "plot_path",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Also draw the runs to this PNG/SVG/PDF: loss, gradient norm, attention logit, log Z, "
+    "activation RMS, events and advice (needs matplotlib: pip install 'stabkit[plot]').",
+)
+def report_command(logdir: str, max_events: int, members: bool, plot_path: str | None) -> None:
     """Summarise LOGDIR: a `stabkit run` / `stabkit sweep` output folder, or one monitored run's logdir."""
     from ..harness.recipes.report import (
         event_log,
-        events_text,
         footer,
         load_run,
+        results_legend,
         results_table,
         run_logs,
         sweep_tables,
         verdict_lines,
     )
+    from ..harness.recipes.report_incidents import incidents_text
+    from .plot_run import need_matplotlib, plot_report
 
+    if plot_path is not None:
+        need_matplotlib()
     logs = run_logs(logdir)  # a monitored run's logdir: its log, and its later runs' (run-2, ...)
     with reading(f"reading {', '.join(map(str, logs))}", logs) as phase:
         summary = load_run(logdir, progress=phase)
@@ -72,7 +85,7 @@ def report_command(logdir: str, max_events: int) -> None:
     if kind != "sweep":
         logs = [p for p in map(event_log, summary.variants.values()) if p is not None]
         with reading("reading the events", logs) as phase:
-            events = events_text(summary, max_events, progress=phase)
+            events = incidents_text(summary, max_events, members, progress=phase)
     title = f"{summary.recipe or logdir} ({kind}"
     if kind == "log" and len(summary.variants) > 1:
         title += f", {len(summary.variants)} runs, each in its own folder"
@@ -83,6 +96,8 @@ def report_command(logdir: str, max_events: int) -> None:
         click.echo("PARTIAL: " + ("interrupted" if summary.interrupted else "not every variant finished"))
     click.echo("")
     if kind == "sweep":
+        if plot_path is not None:
+            plot_report(summary, logdir, plot_path)  # UserInputError: a sweep is no one run
         click.echo(sweep_tables(summary))
         click.echo("")
         click.echo(verdict_lines(summary))
@@ -91,9 +106,13 @@ def report_command(logdir: str, max_events: int) -> None:
     click.echo(events)
     click.echo("")
     click.echo(results_table(summary))
+    click.echo(results_legend(summary))
     for note in sorted({n for r in summary.variants.values() for n in r.get("notes", [])}):
         click.echo(f"note: {note}")
     if summary.verdicts:
         click.echo("")
         click.echo(verdict_lines(summary))
     click.echo(footer(summary))
+    if plot_path is not None:
+        plot_report(summary, logdir, plot_path)
+        click.echo(f"plot: {plot_path}")

@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 from ...sinks import LOG_NAME, read_jsonl
 from ...sinks.rundir import run_folders
+from .columns import legend, shown
 from .measures import best_smoothed, monitored, tail_mean
 from .runner import SUMMARY
 from .summary import Summary
@@ -129,6 +130,7 @@ def _single(folder: Path, name: str, progress: Progress | None = None) -> dict[s
         "first_event_step": events[0]["step"] if events else math.nan,
         "first_event_kind": events[0]["kind"] if events else "",
         "event_list": events,  # every event of the log: `events_of` need not read it again
+        "incident_list": [r for r in rows if r.get("type") == "incident"],  # `report_incidents`
         **monitored(history),
     }
     return result
@@ -185,9 +187,22 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
 
 
 def results_table(summary: Summary) -> str:
-    """Per variant: final / best / held-out loss, max attention logit (before any cap), max log Z,
-    mean |log Z|, mean output logit (held out), first event, above bigram (the summary's
-    ``diverged``: the held-out loss non-finite or no better than a bigram model's), verdict.
+    """The results table (`results_rows`); a monitored run's own log ("log" summary) leaves out the
+    columns that say nothing for it (`columns.shown`). `results_legend` says what each column means."""
+    return table(*shown(*results_rows(summary), summary.kind))
+
+
+def results_legend(summary: Summary) -> str:
+    """One line per column `results_table` shows: what it means (printed under the table)."""
+    headers, _ = shown(*results_rows(summary), summary.kind)
+    return legend(headers)
+
+
+def results_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
+    """The results table's headers and cells. Per variant: final / best / held-out loss, max attention
+    logit (before any cap), max log Z, mean |log Z|, mean output logit (held out), first event, above
+    bigram (the summary's ``diverged``: the held-out loss non-finite or no better than a bigram
+    model's), verdict.
 
     The column says what it measures rather than "diverged": a variant can end a little above the
     bigram level and still be within its fixed checks' tolerance of the reference (the tiny model's
@@ -223,7 +238,7 @@ def results_table(summary: Summary) -> str:
             big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), num(r.get("mean_logit"), 2), first,
             above, verdict,
         ])  # fmt: skip
-    return table(headers, rows)
+    return headers, rows
 
 
 def verdict_lines(summary: Summary) -> str:
