@@ -32,6 +32,12 @@ The rule, per series, over the previous `window` values (`SpikeOptions`, ``Detec
   median + 6·1.4826·MAD ≤ 9.9× the median, so at the defaults it matters only when the min
   ratio or sigma is raised.)
 - Only upward spikes count (a sudden *drop* of loss or norm is not an instability).
+- Severity: a loss spike is a 'warning'; a gradient-norm or update spike alone is a note ('info',
+  `SpikeOptions.warn`): healthy runs have them (5–30× on the embeddings' and first blocks' gradients
+  in the alarm corpus) and clipping absorbs them. One cause makes one incident (`stabkit.incidents`):
+  a bad batch's gradient spike and its loss spike together are a warning. The actions act on
+  warnings by default; a variant that skips every spiking update (OLMo's skip-step) sets
+  ``DetectConfig(act_on="info")``.
 
 The spike score (`spike/<series>/score`) is OLMo 2's (§3.2): the percentage of values at least
 `score_sigma` (7) standard deviations from the mean of the previous `score_window` (1000) values,
@@ -80,6 +86,11 @@ class SpikeOptions:
     """Newest values whose median is the level a new value is judged against (the run's recent trend)."""
     per_lr: tuple[str, ...] = ("update/*",)
     """Globs of the series divided by the step's learning rate (``opt/lr``) before they are judged."""
+    warn: tuple[str, ...] = ("loss",)
+    """Globs of the series whose spike is a 'warning'; a spike of any other series (gradient norms,
+    update ratios) is a note ('info'), and its incident becomes a warning when the loss spikes with it.
+    Healthy runs of the alarm corpus spike their gradient norms 5–30× (embeddings, the first blocks,
+    the end of a warmup) while the loss falls on; what harms a run shows in its loss."""
     score_window: int = field(default=1000, metadata=bounds(lo=1))
     """OLMo 2 spike score: values in the rolling mean/std window."""
     score_sigma: float = field(default=7.0, metadata=bounds(lo=0, lo_open=True))
@@ -144,6 +155,7 @@ class SpikeDetector(Detector):
     def __init__(self, ctx: DetectorContext) -> None:
         super().__init__(ctx)
         self.options = ctx.options(self.kind, SpikeOptions)
+        self._warns: dict[str, bool] = {}
         self.watches = (*self.options.series, LR_SERIES)  # type: ignore[misc]
         self.series: dict[str, SeriesState] = {}
         self._per_lr: dict[str, bool] = {}
@@ -154,6 +166,13 @@ class SpikeDetector(Detector):
         if hit is None:
             hit = self._per_lr[name] = any(fnmatch.fnmatchcase(name, p) for p in self.options.per_lr)
         return hit
+
+    def severity_of(self, name: str) -> str:
+        """'warning' for a series matching `SpikeOptions.warn`, else 'info' (cached per name)."""
+        hit = self._warns.get(name)
+        if hit is None:
+            hit = self._warns[name] = any(fnmatch.fnmatchcase(name, p) for p in self.options.warn)
+        return "warning" if hit else "info"
 
     def rate_free(self, name: str, x: float, lr: float | None) -> float | None:
         """`x` as judged: divided by the step's learning rate for an update series (None: not judged,
@@ -268,6 +287,7 @@ class SpikeDetector(Detector):
                 "window": len(state.window),
                 "recent": min(o.recent, len(state.window)),
             },
+            severity=self.severity_of(name),
         )
 
     def state_dict(self) -> dict[str, Any]:

@@ -51,6 +51,10 @@ class UpdateNormOptions(SpikeOptions):
     Adam's update norm is the LR times a normalised step, so a warmup that doubles the LR doubles it."""
     cooldown: int = field(default=8, metadata=bounds(lo=0))
     """Values after an event during which the same series reports no other."""
+    warn: tuple[str, ...] = ()
+    """Globs of the update-norm series whose spike is a 'warning'; by default every update-norm spike
+    is a note: at this scale it never led a lost run (the lead-time table), and its incident becomes a
+    warning when the loss spikes with it."""
     lr_jump: float | None = field(default=4.0, metadata=bounds(lo=1, lo_open=True))
     """The learning rate rising at least this many times over the previous step's in one step is
     an event of its own (update norms are judged per unit of LR, so they no longer show it): a
@@ -88,6 +92,7 @@ class UpdateNormDetector(SpikeDetector):
         self.watches = (*self.options.series, LR_SERIES)  # type: ignore[misc]
         self.series = {}
         self._per_lr = {}
+        self._warns = {}
         self.quiet: dict[str, int] = {}
         """Per series, the values still to pass before it may report again."""
         self.lr_prev: float | None = None
