@@ -9,7 +9,7 @@ no sink, no file, no intervention. `step` only counts steps, so `global_step` an
 from __future__ import annotations
 
 import warnings
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Sequence
 from types import TracebackType
 from typing import Any
@@ -33,7 +33,7 @@ class NoHooks(HookSet):
     Hugging Face callback's loss hook) get a handle that removes nothing."""
 
     def _none(self, *args: Any, **kwargs: Any) -> RemovableHandle:
-        return RemovableHandle({})
+        return RemovableHandle(OrderedDict())  # a dict of hooks nobody calls (weak-referenceable)
 
     forward_pre = forward = backward_pre = backward = _none
     gradient = grad_accumulated = step_pre = step_post = _none
