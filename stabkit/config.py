@@ -33,6 +33,8 @@ DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update"
 
 WANDB_MODES = (None, "online", "offline", "disabled", "shared")
 """The values `WandbOptions.mode` takes (None: ``WANDB_MODE``, else online)."""
+MAX_INIT_TIMEOUT = 600.0
+"""Longest `WandbOptions.init_timeout` taken (seconds)."""
 
 
 @dataclass
@@ -60,10 +62,20 @@ class WandbOptions:
     prefix: str | None = None
     """Put before every metric name: None = "" in a run stabkit started, "stabkit/" in a joined run
     (stabkit's ``loss`` then does not mix with yours)."""
+    base_url: str | None = None
+    """W&B server of a run stabkit starts (None: ``WANDB_BASE_URL``, else your login's host)."""
+    init_timeout: float = 30.0
+    """Seconds W&B gets to start a run stabkit starts (W&B's own ``init_timeout``, 90 s by default);
+    training never waits for it: the start runs on a background thread, rows wait for it."""
 
     def __post_init__(self) -> None:
         if self.mode not in WANDB_MODES:
             raise ValueError(f"WandbOptions.mode must be one of {WANDB_MODES}, got {self.mode!r}")
+        if not 0 < float(self.init_timeout) <= MAX_INIT_TIMEOUT:
+            raise ValueError(
+                f"WandbOptions.init_timeout must be in (0, {MAX_INIT_TIMEOUT:g}] seconds, got {self.init_timeout!r}"
+            )
+        self.init_timeout = float(self.init_timeout)
         self.tags = tuple(self.tags)
 
 

@@ -5,7 +5,8 @@ server adds a network round trip per batch; an unreachable one retries for minut
 Jobs are submitted from the training thread (`submit`, at each log interval, at `attach` and
 `detach`). The training thread waits at most `budget` seconds in any one call (`submit` with a full
 queue, `wait`, `stop`): `stop` at `detach` hands what is still queued to the thread, which goes on
-writing after `detach` returns (and at interpreter exit gets `stall` seconds more to finish).
+writing after `detach` returns (and at interpreter exit gets `stall` seconds more to finish); an
+error it meets then is reported from the thread (`late`: one warning).
 
 A job's error is kept and raised in the training thread at the next `submit`, `wait` or `check`,
 where `SinkSet` catches it, warns once and switches the sink off; later jobs are dropped. A job that
@@ -48,6 +49,7 @@ class Background:
         diagnose: Callable[[], str | None] | None = None,
         idle: Callable[[], None] | None = None,
         tick: float = 0.05,
+        late: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.name = name
         self.limit = limit
@@ -58,6 +60,10 @@ class Background:
         self.diagnose = diagnose
         self.idle = idle
         self.tick = tick
+        self.late = late
+        """Told, on the thread, of an error no caller will see any more (it came after `stop`)."""
+        self._left = False
+        """`stop` returned with jobs still to run: the thread reports its own errors (`late`)."""
         self._jobs: deque[tuple[Callable[[], None], str]] = deque()
         self._doing: str | None = None
         """What the running job does (None when idle)."""
@@ -88,7 +94,11 @@ class Background:
                 if self._error is None and job is not None:
                     job()
             except BaseException as exc:  # kept, raised in the training thread
-                self._error = exc
+                with self._cond:
+                    self._error = exc
+                    left = self._left
+                if left and self.late is not None:
+                    self.late(exc)
             finally:
                 with self._cond:
                     self._doing = None
@@ -153,8 +163,15 @@ class Background:
                 self._jobs.clear()
             self._cond.notify_all()
         self._thread.join(0 if self._stuck is not None else self.budget)
-        self.check()
-        return not self._thread.is_alive()
+        with self._cond:
+            alive = self._thread.is_alive()
+            self._left = alive and self._error is None and self._stuck is None
+            error = self._error
+        if error is not None:
+            raise error
+        if self._stuck is not None:
+            raise TrackerError(self._stuck)
+        return not alive
 
     def join(self, timeout: float) -> bool:
         """Wait at most `timeout` seconds for a stopped writer's thread to end; True when it has."""

@@ -53,6 +53,7 @@ from .trackers import (
     safe_key,
     severity_counts,
     translated,
+    warn_late,
 )
 
 BATCH = 1000
@@ -107,7 +108,9 @@ class MlflowSink:
         """Events or incidents came since the files were last queued."""
         self._notes: dict[str, list[tuple[int, str]]] = {}
         self._records: dict[str, list[dict[str, Any]]] = {}
-        self.writer = Background("MLflow", diagnose=lambda: unreachable(uri))
+        self.writer = Background(
+            "MLflow", diagnose=lambda: unreachable(uri), late=lambda exc: warn_late(self.label, exc)
+        )
         params = {safe_key(k): v for k, v in flat_params(run_params(config)).items()}
         self._run("open the run", lambda: self._open(options, params, logdir))
 

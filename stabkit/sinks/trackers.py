@@ -17,6 +17,7 @@ import re
 import socket
 import threading
 import urllib.parse
+import warnings
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,17 @@ MAX_PARAM = 500
 
 class TrackerError(OSError):
     """A tracker could not be reached, refused a write, or is not installed."""
+
+
+def warn_late(label: str, exc: BaseException) -> None:
+    """Say once that a tracker failed after `detach` handed it its last writes (from its writer thread:
+    no `SinkSet` hears of it any more)."""
+    warnings.warn(
+        f"stabkit: cannot write {label} ({type(exc).__name__}: {exc}); it failed after detach, with "
+        "writes still queued — the JSONL log and TensorBoard hold every logged step and event",
+        RuntimeWarning,
+        stacklevel=2,
+    )
 
 
 def require(module: str, extra: str) -> Any:

@@ -107,6 +107,11 @@ def test_switches_take_true_a_dict_or_options_and_name_a_bad_key() -> None:
         MonitorConfig(wandb={"projekt": "p"})
     with pytest.raises(ValueError, match="WandbOptions.mode must be one of"):
         WandbOptions(mode="off")  # type: ignore[arg-type]
+    assert MonitorConfig(wandb={"init_timeout": 5}).wandb == WandbOptions(init_timeout=5.0)
+    assert WandbOptions().init_timeout == 30.0  # not W&B's 90 s
+    for bad in (0, -1, 601):
+        with pytest.raises(ValueError, match=r"WandbOptions.init_timeout must be in \(0, 600\] seconds"):
+            WandbOptions(init_timeout=bad)
     with pytest.raises(ValueError, match="MonitorConfig.mlflow must be True/False, a dict"):
         MonitorConfig(mlflow="sqlite:///x.db")
     recipe = fill(MonitorConfig, {"wandb": True, "mlflow": {"tracking_uri": "sqlite:///m.db"}}, "monitor")
@@ -485,9 +490,10 @@ def test_mlflow_writes_that_fail_mid_run_switch_the_sink_off_once(
 
 # ------------------------------------------------------------------ W&B, offline
 @pytest.fixture
-def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    """W&B in offline mode with every folder it writes under tmp_path; returns WANDB_DIR."""
-    pytest.importorskip("wandb", reason="pip install -e '.[wandb]'")
+def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """W&B in offline mode with every folder it writes under tmp_path; yields WANDB_DIR. W&B reads
+    its environment once per process (and keeps a run's settings): torn down before and after."""
+    wandb = pytest.importorskip("wandb", reason="pip install -e '.[wandb]'")
     home = tmp_path / "wandb-home"
     for name, sub in (
         ("WANDB_DIR", "dir"),
@@ -508,7 +514,9 @@ def wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
         monkeypatch.setenv(name, value)
     for name in ("WANDB_PROJECT", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_NAME"):
         monkeypatch.delenv(name, raising=False)
-    return home / "dir"
+    wandb.teardown()
+    yield home / "dir"
+    wandb.teardown()
 
 
 def wandb_log(folder: Path) -> tuple[Path, list[dict[str, Any]]]:
@@ -530,12 +538,22 @@ def history(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def table_rows(run_dir: Path, rows: list[dict[str, Any]], key: str) -> list[list[Any]]:
-    """Every row logged to table `key` (an incremental table: each log holds the new rows)."""
-    out: list[list[Any]] = []
-    for row in rows:
-        if f"{key}.path" in row:
-            out += json.loads((run_dir / "files" / row[f"{key}.path"]).read_text())["data"]
-    return out
+    """The rows of table `key` as last logged (each log rewrites the whole table)."""
+    [*_, path] = [row[f"{key}.path"] for row in rows if f"{key}.path" in row]
+    return list(json.loads((run_dir / "files" / path).read_text())["data"])
+
+
+def table_logs(rows: list[dict[str, Any]], key: str) -> int:
+    """How many times table `key` was logged (one file each)."""
+    return sum(f"{key}.path" in row for row in rows)
+
+
+def summary_of(records: list[dict[str, Any]]) -> dict[str, Any]:
+    summary: dict[str, Any] = {}
+    for r in records:
+        if r["type"] == "summary":
+            summary.update(r["summary"].get("update", {}))
+    return summary
 
 
 def wandb_value(v: Any) -> float:
@@ -546,6 +564,7 @@ def wandb_value(v: Any) -> float:
 def test_wandb_offline_round_trip(tmp_path: Path, wandb_offline: Path) -> None:
     opts = {"project": "stabkit-test", "tags": ["ci"]}
     mon = train(tmp_path / "exp1", wandb=opts)
+    settle(mon)
     assert tracker_failures(mon) == {}
     run_dir, records = wandb_log(mon.logdir)  # in the logdir, beside the TensorBoard files
     [run] = [r["run"] for r in records if r["type"] == "run"]
@@ -573,27 +592,50 @@ def test_wandb_offline_round_trip(tmp_path: Path, wandb_offline: Path) -> None:
     )
     assert defined["stabkit/step"]["options"]["hidden"] is True
 
+    [ev] = mon.events
+    [incident] = mon.incidents.incidents
     [event] = table_rows(run_dir, rows, "stabkit/events")
-    assert event[:3] == [NAN_STEP, "nonfinite", "loss"] and event[6] == mon.events[0].advice
+    assert event[:4] == [NAN_STEP, ev.severity, "nonfinite", "loss"] and event[7] == ev.advice
+    assert event[8] == incident.id == ev.details["incident"]
+    assert table_rows(run_dir, rows, "stabkit/incidents") == [incident_row(incident.to_dict())]
+    assert table_logs(rows, "stabkit/events") == 1 and table_logs(rows, "stabkit/incidents") == 1
+    [counts] = [r for r in rows if "events/critical" in r]
+    assert counts["stabkit/step"] >= NAN_STEP
+    assert {s: counts[f"events/{s}"] for s in ("info", "warning", "critical")} == severity_counts([ev])
     notes = {tag: text for _, tag, text in table_rows(run_dir, rows, "stabkit/notes")}
     assert notes["stabkit/audit"] == mon.audit_report.to_markdown() and "blocks" in notes["stabkit/model_map"]
     audit = table_rows(run_dir, rows, "stabkit/audit")
     assert audit == audit_rows(mon.audit_report.to_dict()) and audit
-    summary: dict[str, Any] = {}
-    for r in records:
-        if r["type"] == "summary":
-            summary.update(r["summary"].get("update", {}))
+    summary = summary_of(records)
     assert summary["stabkit/audit/risks"] == len(mon.audit_report.risks)
+    assert summary[f"stabkit/events/{ev.severity}"] == 1 and summary["stabkit/incidents"] == 1
 
 
 @pytest.mark.multiprocess
-def test_wandb_joins_the_users_run_and_never_finishes_it(tmp_path: Path, wandb_offline: Path) -> None:
+def test_wandb_joins_the_users_run_keeps_its_steps_and_never_finishes_it(
+    tmp_path: Path, wandb_offline: Path
+) -> None:
+    """The user logs `loss` once a step into their own run: their rows keep W&B steps 0, 1, 2, ...
+    with no gap; stabkit's rows ride on them (one per user step, each value at its own stabkit/step)."""
     import wandb
 
     user = wandb.init(project="mine", dir=str(tmp_path / "mine"), config={"lr": 0.05})
     try:
-        user.log({"loss": 1.0})
-        mon = train(tmp_path / "run", wandb=True)
+        torch.manual_seed(0)
+        model = reference_gpt()
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        cfg = MonitorConfig(every=2, log_every=5, console=False, wandb=True)
+        with stabkit.attach(model, opt, logdir=tmp_path / "run", config=cfg) as mon:
+            for s in range(STEPS):
+                x, y = batch(s)
+                loss = lm_loss(model(x), y)
+                loss.backward()
+                opt.step()
+                mon.step(float("nan") if s == NAN_STEP else loss)
+                opt.zero_grad()
+                user.log({"loss": loss.item()})
+                time.sleep(0.2)  # the writer adds one stabkit row per user step (it looks every 50 ms)
+        settle(mon)
         user.log({"loss": 0.5})  # still running: stabkit did not finish it
     finally:
         user.finish()
@@ -606,9 +648,78 @@ def test_wandb_joins_the_users_run_and_never_finishes_it(tmp_path: Path, wandb_o
             config.update((r.get("run", {}).get("config") or r.get("config", {})).get("update", {}))
     assert config["lr"] == 0.05 and config["stabkit"] == run_params(mon.config)
     rows = history(records)
-    assert [r["loss"] for r in rows if "loss" in r] == [1.0, 0.5]  # the user's, untouched
-    ours = [r["stabkit/step"] for r in rows if "stabkit/loss" in r]  # stabkit's, prefixed
-    assert ours == list(range(STEPS))
+    mine = [(r["_step"], r["loss"]) for r in rows if "loss" in r]
+    assert [s for s, _ in mine] == list(range(STEPS + 1))  # the user's steps: no gap
+    assert mine[-1][1] == 0.5
+    ours = [r for r in rows if "stabkit/loss" in r]  # stabkit's, prefixed, each row at its own step
+    steps = [r["stabkit/step"] for r in ours]
+    assert steps == sorted(set(steps)) and len(steps) >= STEPS // 2
+    logged = dict(mon.history)
+    for r in ours:
+        for name, value in logged[r["stabkit/step"]].items():
+            assert same(wandb_value(r[f"stabkit/{name}"]), value), (r["stabkit/step"], name)
+    placed = sum("stabkit/step" in r for r in rows)
+    skipped = summary_of(records).get("stabkit/rows_skipped", 0)
+    assert placed + skipped == len(mon.history) + len(mon.events)
+
+
+@pytest.mark.multiprocess
+def test_unreachable_wandb_server_costs_seconds_and_one_warning_naming_it(
+    tmp_path: Path, wandb_offline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Online mode, nothing listening on 127.0.0.1:9 (W&B itself would retry for its 90 s init
+    timeout): attach, 20 steps and detach take seconds, and one warning says "connection refused"."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)  # a key: only the server is missing
+    t0 = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = train(tmp_path / "run", steps=20, wandb={"base_url": "http://127.0.0.1:9"}, strict=True)
+    assert time.monotonic() - t0 < 15
+    [said] = unreachable_warnings(caught)
+    assert "the W&B server http://127.0.0.1:9 is unreachable (connection refused)" in said
+    assert list(tracker_failures(mon)) == ["the W&B run"]
+    assert [s for s, _ in mon.history] == list(range(20)) and [e.kind for e in mon.events] == ["nonfinite"]
+    assert not (tmp_path / "run" / "wandb").exists()  # no run was started
+
+
+@pytest.mark.multiprocess
+def test_a_wandb_server_that_never_answers_costs_seconds_and_one_warning_after_init_timeout(
+    tmp_path: Path, wandb_offline: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loopback port that accepts connections and never answers: the run starts on the writer
+    thread, so attach, 20 steps and detach take seconds; after `init_timeout` (3 s) one warning
+    names W&B's timeout."""
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen(64)  # connections wait in the backlog: never accepted, never answered
+        url = f"http://127.0.0.1:{server.getsockname()[1]}"
+        slow: list[float] = []
+        t0 = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.manual_seed(0)
+            model = reference_gpt()
+            opt = torch.optim.SGD(model.parameters(), lr=0.05)
+            opts = {"base_url": url, "init_timeout": 3}
+            cfg = MonitorConfig(every=2, log_every=5, console=False, wandb=opts, strict=True)
+            with stabkit.attach(model, opt, logdir=tmp_path / "run", config=cfg) as mon:
+                for s in range(20):
+                    x, y = batch(s)
+                    loss = lm_loss(model(x), y)
+                    loss.backward()
+                    opt.step()
+                    t = time.monotonic()
+                    mon.step(loss)
+                    slow.append(time.monotonic() - t)
+                    opt.zero_grad()
+            assert time.monotonic() - t0 < 15 and max(slow) < 1.0
+            settle(mon)
+    said = unreachable_warnings(caught)
+    assert len(said) == 1 and "the W&B run" in said[0] and "init_timeout" in said[0], said
+    assert [s for s, _ in mon.history] == list(range(20))
 
 
 @pytest.mark.multiprocess
@@ -629,6 +740,7 @@ def test_wandb_log_that_fails_switches_the_sink_off_once(
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         mon = train(tmp_path / "run", wandb=True, strict=True)
+        settle(mon)
     said = [str(w.message) for w in caught if "cannot write the W&B run" in str(w.message)]
     assert len(said) == 1 and "CommError: network down" in said[0]
     assert [s for s, _ in mon.history] == list(range(STEPS))
