@@ -104,19 +104,23 @@ def mark(ax: Any, runs: Sequence[Run], lines: dict[str, tuple[np.ndarray, np.nda
                 )  # fmt: skip
 
 
-def draw(ax: Any, runs: Sequence[Run], pick: Any, title: str, empty: str) -> None:
-    """One panel: `pick(run)` -> (label suffix, [(metric, emphasised)]) per run; the emphasised metric
-    in the run's colour, the others (one run only) thin and grey behind it."""
+def draw(ax: Any, runs: Sequence[Run], pick: Any, title: str, empty: str, legend: bool = False) -> None:
+    """One panel: `pick(run)` -> (label: the layer or block, [(metric, emphasised)]) per run; the
+    emphasised metric in the run's colour, the others (one run only) thin and grey behind it. The
+    label goes into the title when every run's is the same, else into a legend (as with `legend`)."""
     lines: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     drawn = []
-    for k, run in enumerate(runs):
-        label, metrics = pick(run)
+    picked = [pick(run) for run in runs]
+    labels = {label for label, metrics in picked if metrics}
+    if len(labels) == 1 and "" not in labels:  # the same layer in every run: said once, in the title
+        title = f"{title}: {labels.pop()}"
+    for k, (run, (label, metrics)) in enumerate(zip(runs, picked)):
         color = RUN_COLORS[k % len(RUN_COLORS)]
         for name, main in metrics:
             s = run.series(name)
             values = finite(s.values)
             if main:
-                tag = run.name + (f": {label}" if label and len(runs) > 1 else "")
+                tag = run.name + (f": {label}" if label and len(labels) > 1 else "")
                 ax.plot(s.steps, values, color=color, linewidth=1.4, label=tag, zorder=3)
                 lines.setdefault(run.name, (s.steps, values))
                 drawn.append(values)
@@ -133,8 +137,8 @@ def draw(ax: Any, runs: Sequence[Run], pick: Any, title: str, empty: str) -> Non
     if widest(drawn):
         ax.set_yscale("log")
     mark(ax, runs, lines)
-    if len(runs) > 1:
-        ax.legend(fontsize=7, frameon=False)
+    if legend or (len(runs) > 1 and len(labels) > 1):  # the runs' colours; which layer each run's is
+        ax.legend(fontsize=7, frameon=False, ncol=2 if len(runs) > 4 else 1)
 
 
 def one(name: str) -> Any:
@@ -201,21 +205,24 @@ def events_panel(ax: Any, runs: Sequence[Run], limit: int = 10) -> None:
 
 
 def advice_lines(runs: Sequence[Run]) -> list[str]:
-    """What to do, once per distinct advice: the steps and kinds behind it (per incident where the run
-    has them) and their highest severity."""
-    out = []
+    """What to do, once per distinct advice: where it came from (the steps, and with several runs
+    which runs), the kinds of the events behind it and their highest severity."""
+    groups: dict[str, dict[str, list[Any]]] = {}  # advice -> run name -> its events
     for run in runs:
-        who = f"{run.name}: " if len(runs) > 1 else ""
-        groups: dict[str, list[Any]] = {}
         for e in run.events:
             if e.advice:
-                groups.setdefault(e.advice, []).append(e)
-        for advice, events in groups.items():
+                groups.setdefault(e.advice, {}).setdefault(run.name, []).append(e)
+    out = []
+    for advice, by_run in groups.items():
+        where = []
+        for name, events in by_run.items():
             lo, hi = min(e.step for e in events), max(e.step for e in events)
             steps = f"step {lo}" if lo == hi else f"steps {lo}-{hi}"
-            kinds = ", ".join(dict.fromkeys(e.kind for e in events))
-            sev = max((e.severity for e in events), key=severity_rank)
-            out.append(f"{who}{steps} [{kinds}, {sev}, {len(events)} event(s)]: {advice}")
+            where.append(f"{name} {steps}" if len(runs) > 1 else steps)
+        events = [e for evs in by_run.values() for e in evs]
+        kinds = ", ".join(dict.fromkeys(e.kind for e in events))
+        sev = max((e.severity for e in events), key=severity_rank)
+        out.append(f"{', '.join(where)} [{kinds}, {sev}, {len(events)} event(s)]: {advice}")
     return out
 
 
@@ -236,15 +243,11 @@ def plot_runs(runs: Run | Sequence[Run], path: str | Path | None = None, title: 
     )
     text_height = 0.35 + 0.16 * text.count("\n")
     fig = figure_cls(figsize=(13, 9.6 + text_height), dpi=100)
-    grid = fig.add_gridspec(4, 2, height_ratios=[3, 3, 3, text_height * 1.1], hspace=0.45, wspace=0.2)
+    grid = fig.add_gridspec(
+        4, 2, height_ratios=[3, 3, 3, text_height * 1.1], hspace=0.45, wspace=0.2 if len(runs) == 1 else 0.32
+    )
     axes = [fig.add_subplot(grid[r, c]) for r in range(3) for c in range(2)]
-    one_run = runs[0] if len(runs) == 1 else None
-
-    def named(picker: Any, what: str) -> str:
-        label = picker(one_run)[0] if one_run is not None else ""
-        return f"{what}: {label}" if label else what
-
-    draw(axes[0], runs, one("loss"), "loss", "loss not logged")
+    draw(axes[0], runs, one("loss"), "loss", "loss not logged", legend=len(runs) > 1)
     draw(
         axes[1],
         runs,
@@ -253,7 +256,7 @@ def plot_runs(runs: Run | Sequence[Run], path: str | Path | None = None, title: 
         "not logged",
     )
     draw(
-        axes[2], runs, attention, named(attention, "largest attention logit (attn/*/max_logit)"),
+        axes[2], runs, attention, "largest attention logit (attn/*/max_logit)",
         "no attention logits logged",
     )  # fmt: skip
     draw(
@@ -264,7 +267,7 @@ def plot_runs(runs: Run | Sequence[Run], path: str | Path | None = None, title: 
         "not logged",
     )
     draw(
-        axes[4], runs, activations, named(activations, "activation RMS, largest block (act/*/rms)"),
+        axes[4], runs, activations, "activation RMS, largest block (act/*/rms)",
         "no block activations logged",
     )  # fmt: skip
     events_panel(axes[5], runs)

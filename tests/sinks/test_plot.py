@@ -1,5 +1,5 @@
 """`plot_runs` on hand-written logs: several runs one colour each, each run's events as dots on its own
-curve in their severity's colour, panels with nothing logged say so, the advice lists each advice once."""
+curve in their severity's colour, panels with nothing logged say so, the advice lists each advice once, with the runs and steps it came from."""
 
 from __future__ import annotations
 
@@ -55,11 +55,12 @@ def test_several_runs_dots_on_their_own_curves(tmp_path: Path) -> None:
     empty = [ax.texts[0].get_text() for ax in fig.axes[2:5]]
     assert empty == ["no attention logits logged", "not logged", "no block activations logged"]
     advice = fig.axes[6].texts[0].get_text().splitlines()
-    assert advice == [
-        "a: step 2 [spike, critical, 1 event(s)]: lower the LR",
-        "b: step 1 [spike, info, 1 event(s)]: lower the LR",
-        "b: step 3 [spike, warning, 1 event(s)]: clip",
+    assert advice == [  # each advice once, with the runs and steps it came from
+        "a step 2, b step 1 [spike, critical, 2 event(s)]: lower the LR",
+        "b step 3 [spike, warning, 1 event(s)]: clip",
     ]
+    # one legend of the runs' colours, on the loss panel
+    assert fig.axes[1].get_legend() is None and fig.axes[0].get_legend() is not None
 
 
 def test_no_run_is_an_error() -> None:
