@@ -249,11 +249,12 @@ def relaunched_exit_code(outcome: Relaunched) -> int:
 
 def print_results(summary: Summary, out_dir: Path) -> None:
     """The results table, the verdicts, notes and where the logs are."""
-    from ..harness.recipes.report import footer, results_table, verdict_lines
+    from ..harness.recipes.report import footer, results_legend, results_table, verdict_lines
 
     notes = sorted({n for r in summary.variants.values() for n in r.get("notes", [])})
     click.echo("")
     click.echo(results_table(summary))
+    click.echo(results_legend(summary))
     click.echo("")
     click.echo(verdict_lines(summary))
     click.echo("")
