@@ -42,7 +42,7 @@ def incidents_text(
     summary: Summary, limit: int = 20, members: bool = False, progress: Progress | None = None
 ) -> str:
     """Per variant: its incidents, one line each with their severity (at most `limit`), each one's
-    events indented under it when `members`; events in no incident; the distinct advice. A variant
+    events indented under it when `members` (its rescues always: what stabkit changed in the run); events in no incident; the distinct advice. A variant
     whose log holds no incidents is listed event by event (`events_text`)."""
     lines = []
     for name, result in summary.variants.items():
@@ -56,9 +56,9 @@ def incidents_text(
         lines.append(f"{name}: {len(events)} event(s) in {len(incidents)} incident(s)")
         for incident in incidents[:limit]:
             lines.append(f"    {incident.get('severity', 'warning'):<8} {incident.get('headline', '')}")
-            if members:
-                mine = [e for e in events if (e.get("details") or {}).get("incident") == incident.get("id")]
-                lines.extend(f"        {event_line(e)}" for e in mine)
+            mine = [e for e in events if (e.get("details") or {}).get("incident") == incident.get("id")]
+            shown = mine if members else [e for e in mine if e.get("kind") == "rescue"]  # what stabkit did
+            lines.extend(f"        {event_line(e)}" for e in shown)
         if len(incidents) > limit:
             where = Path(result.get("logdir", "")) / LOG_NAME
             lines.append(f"    ... {len(incidents) - limit} more incident(s) in {where}")

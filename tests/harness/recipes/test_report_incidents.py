@@ -44,6 +44,15 @@ def test_one_line_per_incident_and_members_on_request() -> None:
     ]
 
 
+def test_a_rescue_is_listed_under_its_incident_without_members() -> None:
+    rescue = {**event(6, "qk_norm", 1), "kind": "rescue", "message": "rescue 1/2"}
+    text = incidents_text(summary([event(5, "loss", 1), rescue], [incident(1, 5, 2, "incident 1")]))
+    assert text.splitlines()[1:3] == [
+        "    warning  incident 1",
+        "        step 6: [rescue] qk_norm: rescue 1/2",
+    ]
+
+
 def test_a_log_without_incidents_lists_its_events() -> None:
     text = incidents_text(summary([event(3, "loss", None), event(9, "loss", None)], [])).splitlines()
     assert text[0] == "exp: 2 event(s)"
