@@ -121,7 +121,8 @@ def draw(ax: Any, runs: Sequence[Run], pick: Any, title: str, empty: str, legend
             values = finite(s.values)
             if main:
                 tag = run.name + (f": {label}" if label and len(labels) > 1 else "")
-                ax.plot(s.steps, values, color=color, linewidth=1.4, label=tag, zorder=3)
+                dots = "." if len(s.steps) < 40 else None  # few sampled steps: show where they are
+                ax.plot(s.steps, values, color=color, linewidth=1.4, label=tag, zorder=3, marker=dots)
                 lines.setdefault(run.name, (s.steps, values))
                 drawn.append(values)
             elif len(runs) == 1:
