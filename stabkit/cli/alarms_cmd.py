@@ -104,7 +104,14 @@ def alarms_command(
             err=True,
         )
 
-    result = run_bench(plan, folder, on_result=progress)
+    statuses: dict[str, str] = {}
+
+    def recipe_progress(run: str, status: str, step: int, total: int, loss: float) -> None:
+        if statuses.get(run) != status:  # one line per change of status, not per step
+            statuses[run] = status
+            click.echo(f"[{time.monotonic() - start:5.0f}s] {run}: {status} (step {step}/{total})", err=True)
+
+    result = run_bench(plan, folder, on_result=progress, on_progress=recipe_progress)
     if as_json:
         click.echo(json.dumps({"rows": result.rows, "not_falling": result.not_falling}, indent=1))
     else:

@@ -110,13 +110,14 @@ class HealthyConfig:
 
 C = HealthyConfig
 CI = ("ci",)
+PLANT = ("plant",)
 
 CORPUS: tuple[HealthyConfig, ...] = (
     # the reference GPT (Wortsman init unless said), pre/post/sandwich, depths 2-24
     C("ref-pre-l2", "ref_gpt", depth=2, width=64, lr=3e-3, tags=CI),
     C("ref-pre-l4-scaled-wsd", "ref_gpt", depth=4, init="scaled", lr=3e-3, schedule="wsd", clip=None, batch=16, seq=32),
     C("ref-sandwich-l6-zipf", "ref_gpt", depth=6, width=32, placement="sandwich", lr=2e-3, data="zipf"),
-    C("ref-post-l4-warmup", "ref_gpt", depth=4, width=32, placement="post", lr=1e-3, warmup=40),
+    C("ref-post-l4-warmup", "ref_gpt", depth=4, width=32, placement="post", lr=1e-3, warmup=40, tags=PLANT),
     C("ref-pre-l12-mup-invsqrt", "ref_gpt", depth=12, width=32, init="mup", lr=3e-3, schedule="invsqrt", batch=4, seq=32),
     C("ref-pre-l24-scaled", "ref_gpt", depth=24, width=32, init="scaled", lr=2e-3, warmup=30, batch=4, seq=32),
     C("ref-pre-l8-muon", "ref_gpt", depth=8, width=32, optimizer="muon", lr=3e-3, batch=4, seq=32),
@@ -125,23 +126,23 @@ CORPUS: tuple[HealthyConfig, ...] = (
     # a user's own pre-norm GPT with PyTorch's default init
     C("tiny-pre-l2-constant", "tiny_gpt", depth=2, width=64, schedule="constant", warmup=0, clip=None, tags=CI),
     C("tiny-pre-l4", "tiny_gpt", depth=4, width=64, tags=CI),
-    C("tiny-pre-l8-wsd", "tiny_gpt", depth=8, width=48, schedule="wsd", batch=4, seq=32),
+    C("tiny-pre-l8-wsd", "tiny_gpt", depth=8, width=48, schedule="wsd", batch=4, seq=32, tags=PLANT),
     C("tiny-pre-l12", "tiny_gpt", depth=12, width=32, batch=4, seq=32),
     C("tiny-pre-l24", "tiny_gpt", depth=24, width=32, lr=5e-4, warmup=30, batch=4, seq=32),
     C("tiny-pre-l4-sgd", "tiny_gpt", depth=4, width=48, optimizer="sgd", lr=0.3, schedule="constant", warmup=10),
-    C("tiny-pre-l4-adafactor", "tiny_gpt", depth=4, width=48, optimizer="adafactor", lr=1e-2, schedule="invsqrt"),
+    C("tiny-pre-l4-adafactor", "tiny_gpt", depth=4, width=48, optimizer="adafactor", lr=1e-2, schedule="invsqrt", tags=PLANT),
     C("tiny-pre-l4-adam-eps", "tiny_gpt", depth=4, width=48, optimizer="adam_eps", schedule="warmup", warmup=30),
     C("tiny-pre-l6-bf16", "tiny_gpt", depth=6, width=48, bf16=True, batch=4),
     C("tiny-pre-l4-accum", "tiny_gpt", depth=4, width=32, accum=2, batch=4, seq=32, tags=CI),
     C("tiny-post-l4-warmup", "tiny_gpt", depth=4, width=48, placement="post", lr=5e-4, warmup=50),
     C("tiny-sandwich-l4", "tiny_gpt", depth=4, width=48, placement="sandwich"),
     C("tiny-pre-l4-muon", "tiny_gpt", depth=4, width=48, optimizer="muon", schedule="wsd"),
-    C("tiny-pre-l4-zipf-full", "tiny_gpt", depth=4, width=32, data="zipf", monitor="full", batch=16, seq=32),
+    C("tiny-pre-l4-zipf-full", "tiny_gpt", depth=4, width=32, data="zipf", monitor="full", batch=16, seq=32, tags=PLANT),
     C("tiny-pre-l2-batch64", "tiny_gpt", depth=2, width=32, batch=64, seq=32, clip=None),
     C("tiny-pre-l16-scaled", "tiny_gpt", depth=16, width=32, init="scaled", batch=4, seq=32),
     C("tiny-pre-l6-torch-init-mup", "tiny_gpt", depth=6, width=64, init="mup", lr=3e-3, batch=4),
     # nn.TransformerEncoder with a causal mask
-    C("encoder-post-l4-warmup", "torch_encoder", depth=4, width=48, placement="post", lr=5e-4, warmup=50),
+    C("encoder-post-l4-warmup", "torch_encoder", depth=4, width=48, placement="post", lr=5e-4, warmup=50, tags=PLANT),
     C("encoder-pre-l6", "torch_encoder", depth=6, width=32, batch=8, seq=32),
     # Hugging Face models from their config classes
     C("gpt2-l4", "hf_gpt2", depth=4, width=48, lr=2e-3, warmup=60, tags=CI),
@@ -149,9 +150,9 @@ CORPUS: tuple[HealthyConfig, ...] = (
     C("gpt2-l6-adafactor", "hf_gpt2", depth=6, width=32, optimizer="adafactor", lr=1e-2, schedule="wsd"),
     C("llama-l6-gqa", "hf_llama", depth=6, width=48, kv_heads=2, lr=2e-3),
     C("llama-l6-gqa-muon", "hf_llama", depth=6, width=48, kv_heads=2, optimizer="muon", lr=2e-3),
-    C("llama-l4-bf16-accum", "hf_llama", depth=4, width=32, kv_heads=1, bf16=True, accum=2, batch=4, seq=32),
+    C("llama-l4-bf16-accum", "hf_llama", depth=4, width=32, kv_heads=1, bf16=True, accum=2, batch=4, seq=32, tags=PLANT),
     C("llama-l2-sgd-zipf", "hf_llama", depth=2, width=32, optimizer="sgd", lr=0.3, data="zipf", clip=1.0),
-    C("qwen2moe-l2", "hf_qwen2_moe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32),
+    C("qwen2moe-l2", "hf_qwen2_moe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, tags=PLANT),
     C("qwen2moe-l4-zipf-full", "hf_qwen2_moe", depth=4, width=32, kv_heads=2, data="zipf", monitor="full", batch=4, seq=32),
 )  # fmt: skip
 """The corpus, in a fixed order."""
