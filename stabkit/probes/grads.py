@@ -7,7 +7,10 @@ When it runs:
   user does later;
 - in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
   norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
-  snapshot of the parameters on sampled steps;
+  snapshot of the parameters on sampled steps. With ``optimizer.step(closure)`` (Lightning, LBFGS)
+  the gradients are made inside ``step``: the pre-hook then runs after the closure's first call
+  (`stabkit.hooks.AfterClosure`), so the norms are those of the closure's gradients (accumulated
+  onto earlier micro-batches' when the closure does not zero them);
 - in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps, and the
   update norm ‖θ_new − θ_old‖ itself per unit and in all (Marin 32B: Adam update-norm spikes came
   before loss and gradient-norm spikes), with
@@ -67,8 +70,7 @@ class GradProbe(Probe):
         self._setup(ctx)
         if ctx.optimizer is not None:
             self.handles.append(ctx.hooks.step_pre(self.name, ctx.optimizer, self._pre_step))
-            if self.want_update:
-                self.handles.append(ctx.hooks.step_post(self.name, ctx.optimizer, self._post_step))
+            self.handles.append(ctx.hooks.step_post(self.name, ctx.optimizer, self._post_step))
 
     def detach(self) -> None:
         """Remove the hooks (safe twice)."""
@@ -212,7 +214,20 @@ class GradProbe(Probe):
             rec.add(f"grad/param_group.{g}/norm", combined(sub), reduction="l2")
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        self.after_update()
+        if not self._stepped:  # attached during this step: its pre-hook had already run
+            self.late_grads()
+        if self.want_update:
+            self.after_update()
+
+    @guarded
+    def late_grads(self) -> None:
+        """The gradient norms of a step whose pre-hook did not run because the monitor attached
+        during ``optimizer.step(closure)`` (discovery at the first forward, inside the closure:
+        Lightning's first step). Exact: the norms were taken at the end of backward, before the
+        update; that one step has no parameter norms or update ratios."""
+        self._stepped = True
+        if self.want_grad:
+            self._record_grads(self.ctx.sampled())  # type: ignore[union-attr]
 
     @guarded
     def after_update(self) -> None:
