@@ -3,7 +3,9 @@ HookSet, which keeps the handles in registration order, removes them all at deta
 (`Monitor.describe_hooks()`).
 
 When it runs: plug-ins call it at attach (and the grad probe again when parameters are unfrozen);
-the hooks themselves run inside the user's forward, backward and `optimizer.step()`.
+the hooks themselves run inside the user's forward, backward and `optimizer.step()`. Every step
+pre-hook registered here runs when the step's gradients are final (`AfterClosure`): before
+``step`` updates anything, and after the closure's first call when ``step`` is given a closure.
 
 Order at attach (the Monitor registers in this order, so hooks of the same event run in it too):
 1. the Monitor's input guard (forward pre-hook on the root: refuses an empty batch);

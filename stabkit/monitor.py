@@ -8,7 +8,9 @@ Timeline of one training step with a monitor attached:
 1. forward: probes' forward hooks add device statistics (sampled steps only);
 2. backward: post-accumulate-grad hooks keep each parameter's gradient norm on the device;
 3. `optimizer.step()`: the step pre-hook combines grad norms (and snapshots for update ratios),
-   the post-hook computes update ratios;
+   the post-hook computes update ratios; with `optimizer.step(closure)` (Lightning, LBFGS) the
+   closure makes the gradients inside `step`, and stabkit's pre-hooks run right after its first
+   call (`stabkit.hooks.AfterClosure`);
 4. `Monitor.step(loss)`: the step's statistics are committed; once per log interval they are
    copied to the host in one transfer and written to the sinks.
 """
