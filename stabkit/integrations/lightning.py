@@ -10,6 +10,12 @@ A thin adapter over `stabkit.attach`. When each part runs:
   moved (an optimizer step happened) call `Monitor.step` with that loss;
 - `on_fit_end` / `on_exception`: detach (flush and close the sinks).
 
+Lightning runs `training_step` and the backward inside ``optimizer.step(closure)``: stabkit's step
+pre-hooks run after that closure (`stabkit.hooks.AfterClosure`), so the gradient norms are the
+accumulated gradient's, as ``on_before_optimizer_step`` sees it (before Lightning clips it). When
+discovery waits for the first forward (inside the closure), step 0 has gradient norms but no
+update statistics.
+
 Under torchrun or Lightning's DDP / FSDP strategies every rank runs the callback; rank 0 writes.
 """
 
