@@ -143,3 +143,47 @@ def test_lbfgs_norm_is_the_first_evaluation_not_a_line_search_point() -> None:
     mon.detach()
     assert len(evaluations) > 1 and evaluations[-1] != pytest.approx(evaluations[0], rel=1e-3)
     assert series(mon, "grad/global_norm")[0] == pytest.approx(evaluations[0], rel=1e-5)
+
+
+def clipped_run(in_closure: bool) -> tuple[nn.Module, dict[int, dict[str, float]]]:
+    """8 steps of 2 micro-batches with ZClip on (an outlier batch at step 6): the second backward
+    runs inside ``opt.step(closure)`` or before a plain ``opt.step()``."""
+    torch.manual_seed(0)
+    model = reference_gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    detect = stabkit.DetectConfig(
+        detectors=("spike",), actions={"spike": ["warn", "clip"]}, options={"clip": {"warmup": 3}}
+    )
+    mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(**CONFIG, detect=detect))  # type: ignore[arg-type]
+    for step in range(8):
+        scale = 50.0 if step == 6 else 1.0
+
+        def micro(i: int, step: int = step, scale: float = scale) -> torch.Tensor:
+            x, y = batch(100 * step + i)
+            loss = scale * lm_loss(model(x), y) / 2
+            loss.backward()
+            return loss
+
+        opt.zero_grad()
+        first = micro(0)
+        if in_closure:
+            second = opt.step(lambda: micro(1))
+        else:
+            second = micro(1)
+            opt.step()
+        mon.step(first.detach() + second.detach())
+    mon.detach()
+    return model, dict(mon.history)
+
+
+def test_a_closure_loop_and_a_plain_loop_are_the_same_to_stabkit() -> None:
+    """Everything stabkit does in its step pre-hooks — the gradient norms and ZClip, which scales the
+    gradients there — sees the closure's gradients as it sees a plain loop's: the same statistics,
+    the same clip at the outlier, the same parameters bit for bit."""
+    plain, plain_rows = clipped_run(in_closure=False)
+    closure, closure_rows = clipped_run(in_closure=True)
+    assert plain_rows[6]["clip/did_clip"] == 1.0  # the outlier was clipped
+    for name in ("grad/global_norm", "clip/pre_norm", "clip/post_norm", "clip/did_clip"):
+        assert [closure_rows[s][name] for s in range(8)] == [plain_rows[s][name] for s in range(8)], name
+    for (name, a), b in zip(plain.named_parameters(), closure.parameters(), strict=True):
+        assert torch.equal(a, b), name
