@@ -107,7 +107,7 @@ def alarms_command(
     statuses: dict[str, str] = {}
 
     def recipe_progress(run: str, status: str, step: int, total: int, loss: float) -> None:
-        if statuses.get(run) != status:  # one line per change of status, not per step
+        if statuses.get(run) != status and status != "step":  # start, done, failed...: not every step
             statuses[run] = status
             click.echo(f"[{time.monotonic() - start:5.0f}s] {run}: {status} (step {step}/{total})", err=True)
 
