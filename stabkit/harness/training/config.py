@@ -80,6 +80,12 @@ class TrainConfig:
     precision: Precision = "fp32"
     """fp32, or bf16 / fp16 autocast around the forward pass and the loss (`train` and `evaluate` set
     it up, `stabkit.harness.training.precision.Amp`; fp16 adds a GradScaler where one is used)."""
+    grad_scaler: bool | None = None
+    """fp16's loss scaler (a GradScaler on the backward pass and the step): None (``"none"`` in a recipe)
+    = on off the CPU, off on a CPU, as the recipes were first measured; True / False: on / off
+    wherever it runs. Without one, fp16 gradients underflow, and Adam's normalised steps on what is
+    left grow the weights (measured on low-precision: the MLP's output 5× its fp32 value after 150
+    steps, until it overflowed fp16 too)."""
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.batch_size < 1 or self.grad_accum < 1:

@@ -60,12 +60,13 @@ class TrainRun:
     """`make_optimizer(model, config)`: one torch optimizer, or a list (Muon and AdamW), which
     ``stabkit.attach`` takes as is."""
     amp: Amp = field(init=False)
-    """`config.precision` on `device` (autocast, and a GradScaler for fp16 on a GPU)."""
+    """`config.precision` on `device` (autocast, and for fp16 a GradScaler on a GPU or when
+    `config.grad_scaler` asks for one)."""
 
     def __post_init__(self) -> None:
         self.device = torch.device(self.device)
         self.optimizer = make_optimizer(self.model, self.config)
-        self.amp = Amp.of(self.config.precision, self.device)
+        self.amp = Amp.of(self.config.precision, self.device, scaler=self.config.grad_scaler)
 
 
 @dataclass
