@@ -120,10 +120,23 @@ def run_bench(
     healthy, planted = results[: len(healthy_jobs)], results[len(healthy_jobs) :]
     lost: list[LostRun] = []
     references: list[dict[str, Any]] = []
-    if plan.recipes:
+    if plan.recipes:  # the corpus part first, so a long recipe sweep that is stopped leaves it behind
+        _save(_result(healthy, planted, [], [], start), out)
         lost, references = recipe_runs(plan, out / "recipes", on_progress)
+    result = _result(healthy, planted, lost, references, start)
+    _save(result, out)
+    return result
+
+
+def _result(
+    healthy: list[dict[str, Any]],
+    planted: list[dict[str, Any]],
+    lost: list[LostRun],
+    references: list[dict[str, Any]],
+    start: float,
+) -> BenchResult:
     rows = table([*healthy, *references], planted, lost)
-    result = BenchResult(
+    return BenchResult(
         rows=[r.to_dict() for r in rows],
         healthy=healthy,
         planted=planted,
@@ -133,10 +146,12 @@ def run_bench(
         wall_s=time.perf_counter() - start,
         table=format_rows(rows),
     )
+
+
+def _save(result: BenchResult, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / RESULT_JSON).write_text(json.dumps(result.to_dict(), indent=1, default=str), encoding="utf-8")
     (out / RESULT_MD).write_text(result.table + "\n", encoding="utf-8")
-    return result
 
 
 def recipe_runs(
