@@ -33,6 +33,7 @@ def test_amp_of_each_precision() -> None:
     scaled = Amp.of("fp16", "cpu", scaler=True)
     assert isinstance(scaled.scaler, torch.amp.GradScaler) and scaled.scaler.is_enabled()
     assert Amp.of("bf16", "cpu", scaler=True).scaler is None  # only fp16 is scaled
+    assert tiny_run("fp16").amp.scaler is None  # TrainConfig.grad_scaler None: the device decides
     with pytest.raises(ValueError, match="fp32, bf16 or fp16"):
         Amp.of("fp8", "cpu")  # type: ignore[arg-type]
 
@@ -58,9 +59,8 @@ def test_forward_and_loss_run_under_autocast_and_nothing_else_does() -> None:
 
 def test_fp16_with_a_scaler_skips_an_overflowing_step_and_without_one_the_weights_break() -> None:
     def trained(scaled: bool) -> tuple[TrainRun, list[float]]:
-        run = tiny_run("fp16", steps=4)
-        if scaled:
-            run.amp = Amp.of("fp16", "cpu", scaler=True)
+        run = tiny_run("fp16", steps=4, grad_scaler=scaled)  # TrainConfig.grad_scaler: on a CPU too
+        assert (run.amp.scaler is not None) == scaled
         step = {"n": 0}
 
         def poison(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
