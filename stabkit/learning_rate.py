@@ -12,8 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 LR_SERIES = "opt/lr"
 """The series name of the optimizer's learning rate (its first parameter group that holds parameters)."""
 
@@ -27,7 +25,7 @@ def current_lr(optimizer: Any) -> float | None:
         return None
     group = next((g for g in groups if g.get("params")), groups[0])
     lr = group.get("lr")
-    if isinstance(lr, torch.Tensor):
+    if hasattr(lr, "device") and hasattr(lr, "numel"):  # a tensor (torch is not imported by the detectors)
         if lr.device.type != "cpu" or lr.numel() != 1:
             return None
         return float(lr)
