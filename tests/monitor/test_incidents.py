@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from zoo import VOCAB, EncoderLM
+from zoo import EncoderLM
 
 import stabkit
 from stabkit.events import Event
@@ -68,7 +68,7 @@ def lr_blowup(
 ) -> tuple[stabkit.Monitor, str, list[float]]:
     """A post-norm encoder (warmup then a steady LR) whose LR is multiplied by 300 at step 80."""
     torch.manual_seed(0)
-    model = EncoderLM(d=32, n_layer=2)
+    model = EncoderLM(d=32, n_layer=2, vocab=256)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     err = io.StringIO()
     cfg = stabkit.MonitorConfig(
@@ -82,7 +82,7 @@ def lr_blowup(
         for step, (x, y) in enumerate(text_batches(100, 8, 32, seed=0)):
             for g in opt.param_groups:
                 g["lr"] = 1e-3 * min(1.0, (step + 1) / 20) * (300 if step >= 80 else 1)
-            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
             loss.backward()
             opt.step()
             mon.step(loss)
@@ -101,7 +101,6 @@ def test_an_lr_blowup_is_one_incident_on_the_console_and_every_event_in_the_log(
     assert len(incidents) == 1
     incident = mon.incidents.incidents[next(iter(incidents)) - 1]
     assert incident.severity in ("warning", "critical") and incident.first_step == 80
-    assert incident.first.step == 80
     event_lines = [
         line for line in err.splitlines() if " step 8" in line and "[stabkit] " in line and "[" in line[10:]
     ]
@@ -124,14 +123,14 @@ def test_actions_act_on_warnings_and_leave_notes_alone() -> None:
     def skipped(act_on: str) -> list[tuple[int, str, bool]]:
         det = stabkit.DetectConfig(actions={"spike": "skip"}, act_on=act_on)
         torch.manual_seed(0)
-        model = EncoderLM(d=32, n_layer=2)
+        model = EncoderLM(d=32, n_layer=2, vocab=256)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
         cfg = stabkit.MonitorConfig(
             every=1, log_every=10, console=False, tensorboard=False, jsonl=False, detect=det
         )
         mon = stabkit.attach(model, opt, config=cfg)
         for step, (x, y) in enumerate(text_batches(40, 8, 32, seed=0)):
-            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1))
+            loss = torch.nn.functional.cross_entropy(model(x).reshape(-1, 256), y.reshape(-1))
             (loss * (30.0 if step == 30 else 1.0)).backward()  # gradients ×30, the loss as it was
             opt.step()
             mon.step(loss)
