@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-
 SEVERITIES: tuple[str, ...] = ("info", "warning", "critical")
 """Event severities, mildest first."""
 

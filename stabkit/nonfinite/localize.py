@@ -219,4 +219,6 @@ def finding_event(step: int, finding: FaultSite | None, metric: str, value: floa
         "metric": metric,
     }
     details.update(finding.details)
-    return Event(step, "nonfinite", finding.where, value, 0.0, text + note, details=details, severity="critical")
+    return Event(
+        step, "nonfinite", finding.where, value, 0.0, text + note, details=details, severity="critical"
+    )

@@ -111,8 +111,9 @@ def test_an_lr_blowup_is_one_incident_on_the_console_and_every_event_in_the_log(
     ]
     assert 1 <= len(printed) <= 3, printed  # one line per incident (+1 per rise of severity)
     assert all(len(line) < 400 for line in printed)
-    rows = [json.loads(line) for line in (Path(mon.logdir) / "events.jsonl").read_text().splitlines()]
-    logged = [r for r in rows if r.get("type", r.get("kind_of_row")) != "incident" and "severity" in r]
+    rows = [json.loads(line) for line in (Path(mon.logdir) / "stabkit.jsonl").read_text().splitlines()]
+    logged = [r for r in rows if r.get("type") == "event"]
+    assert {r["id"] for r in rows if r.get("type") == "incident"} >= incidents
     assert len(logged) >= len(at_blowup)
     assert {r["severity"] for r in logged} <= {"info", "warning", "critical"}
 
