@@ -237,7 +237,7 @@ class MonitorConfig:
         file and the key (`stabkit.config_toml`)."""
         from .config_toml import read_monitor_config
 
-        return read_monitor_config(path, overrides)
+        return read_monitor_config(cls, path, overrides)
 
     @property
     def attention_every(self) -> int:

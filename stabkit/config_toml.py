@@ -13,9 +13,8 @@ from __future__ import annotations
 import dataclasses
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
-from .config import MonitorConfig
 from .detect_config import DetectConfig
 from .tables import TableError, fill, keys
 
@@ -25,23 +24,28 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
-def read_monitor_config(path: str | Path, overrides: dict[str, Any]) -> MonitorConfig:
-    """The MonitorConfig of `path`'s ``[monitor]`` and ``[detect]`` tables (library defaults for
-    what they leave out; a file with neither gives the defaults), then `overrides` (field -> value)."""
+ConfigT = TypeVar("ConfigT")
+
+
+def read_monitor_config(cls: type[ConfigT], path: str | Path, overrides: dict[str, Any]) -> ConfigT:
+    """The config (`cls`: `stabkit.MonitorConfig`, which calls this from `from_toml`; passed in so
+    this module does not import it back) of `path`'s ``[monitor]`` and ``[detect]`` tables (library
+    defaults for what they leave out; a file with neither gives the defaults), then `overrides`
+    (field -> value)."""
     path = Path(path)
     try:
         with open(path, "rb") as fh:
             doc = tomllib.load(fh)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML ({exc})") from None
-    misplaced = sorted(set(doc) & set(keys(MonitorConfig)) - {"monitor", "detect"})
+    misplaced = sorted(set(doc) & set(keys(cls)) - {"monitor", "detect"})
     if misplaced:
         raise ValueError(
             f"{path}: {', '.join(misplaced)} must sit under a [monitor] table (top-level keys are not read)"
         )
     try:
         detect = fill(DetectConfig, doc.get("detect"), "detect")
-        config = fill(MonitorConfig, doc.get("monitor"), "monitor", exclude=("detect",))
+        config: Any = fill(cls, doc.get("monitor"), "monitor", exclude=("detect",))  # a dataclass
     except TableError as exc:
         raise ValueError(f"{path}: {exc}") from None
     return dataclasses.replace(config, **{"detect": detect, **overrides})

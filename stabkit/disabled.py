@@ -42,6 +42,9 @@ class NoHooks(HookSet):
 class DisabledMonitor(Monitor):
     """A Monitor that watches nothing (``STABKIT_DISABLE=1``); see the module notes."""
 
+    watches_nothing = True
+    """Read by `stabkit.monitor_repr` (which does not import this module: it would import it back)."""
+
     def __init__(
         self,
         model: nn.Module,

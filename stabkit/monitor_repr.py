@@ -20,9 +20,7 @@ HEADLINE = (("loss", "loss"), ("grad/global_norm", "grad norm"), ("logits/logz_m
 
 def state(mon: Any) -> str:
     """'attached', 'detached', 'waiting for the first forward' or 'disabled (STABKIT_DISABLE)'."""
-    from .disabled import DisabledMonitor
-
-    if isinstance(mon, DisabledMonitor):
+    if getattr(mon, "watches_nothing", False):  # a `stabkit.disabled.DisabledMonitor`
         return "disabled (STABKIT_DISABLE)"
     if mon._detached:
         return "detached"
