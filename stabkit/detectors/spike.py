@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -184,11 +184,22 @@ class SpikeDetector(Detector):
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """Each value: a spike event and/or its spike score (``spike/<series>/score``)."""
         seen = Observation()
+        for name, event, score in self.judged(step, values):
+            if score is not None:
+                seen.series[f"spike/{name}/score"] = score
+            if event is not None:
+                seen.events.append(event)
+        return seen
+
+    def judged(
+        self, step: int, values: Mapping[str, float]
+    ) -> Iterator[tuple[str, Event | None, float | None]]:
+        """(name, spike event or None, score or None) of each watched value of `step`, an update series
+        judged per unit of the step's learning rate (``opt/lr``, itself not judged; its event keeps the
+        raw value and says so)."""
         lr = values.get(LR_SERIES)
         for name, raw in values.items():
-            if name == LR_SERIES:
-                continue
-            x = self.rate_free(name, raw, lr)
+            x = None if name == LR_SERIES else self.rate_free(name, raw, lr)
             if x is None:
                 continue
             event, score = self.update(step, name, x)
@@ -196,11 +207,7 @@ class SpikeDetector(Detector):
                 event.value = raw
                 event.details["lr"] = lr
                 event.message += f" (per unit of learning rate; lr {lr:.3g})"
-            if score is not None:
-                seen.series[f"spike/{name}/score"] = score
-            if event is not None:
-                seen.events.append(event)
-        return seen
+            yield name, event, score
 
     def signature(self, event: Event) -> str:
         """update_spike / grad_spike (early_grad_blowup_post in an early post-norm block) / loss_spike."""

@@ -106,15 +106,7 @@ class UpdateNormDetector(SpikeDetector):
             jump = self._lr_jump(step, lr)
             if jump is not None:
                 seen.events.append(jump)
-        for name, raw in values.items():
-            x = None if name == LR_SERIES else self.rate_free(name, raw, lr)
-            if x is None:
-                continue
-            event, _ = self.update(step, name, x)
-            if event is not None and x != raw:
-                event.value = raw
-                event.details["lr"] = lr
-                event.message += f" (per unit of learning rate; lr {lr:.3g})"
+        for name, event, _ in self.judged(step, values):
             left = self.quiet.get(name, 0)
             if left:
                 self.quiet[name] = left - 1
