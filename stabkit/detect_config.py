@@ -164,6 +164,20 @@ class DetectConfig:
             cls = _options_class(name)
             if cls is not None:
                 self.options_for(name, cls)
+        self._check_skip_can_act()
+
+    def _check_skip_can_act(self) -> None:
+        """Raise when 'skip' is asked for spikes but could never act: it acts before the update, so only
+        on gradient-norm and update spikes, which are notes unless `SpikeOptions.warn` names them."""
+        if "skip" not in self.actions.get("spike", ()) or self.act_on == "info":
+            return
+        warn = tuple(self.options.get("spike", {}).get("warn", ("loss",)))
+        if all(pattern == "loss" for pattern in warn):
+            raise ValueError(
+                "DetectConfig: actions['spike'] = 'skip' acts before the update, on gradient-norm and update "
+                f"spikes, which are notes ('info'); with act_on={self.act_on!r} it would never skip. Set "
+                "act_on='info' (OLMo's skip-step) or name those series in options['spike']['warn']"
+            )
 
     if not TYPE_CHECKING:  # (hidden from type checkers, which keep flagging unknown attributes)
 

@@ -93,7 +93,7 @@ def test_skip_leaves_parameters_and_optimizer_state_bitwise_unchanged(opt: str) 
 
 
 def test_skip_on_a_gradient_norm_spike() -> None:
-    loop = Loop(actions={"spike": "skip"}, options={"spike": {"min_history": 8}})
+    loop = Loop(actions={"spike": "skip"}, options={"spike": {"min_history": 8}}, act_on="info")
     for _ in range(12):
         loop.step()
     saved = state_copy(loop.model, loop.opt)
@@ -103,6 +103,15 @@ def test_skip_on_a_gradient_norm_spike() -> None:
     assert any(e.where == "grad/global_norm" and e.details.get("skipped_update") for e in spikes)
     loss_spike = next(e for e in spikes if e.where == "loss")  # decided after the update: cannot skip
     assert "not possible" in loss_spike.details["skip"]
+
+
+def test_skip_on_spikes_that_could_never_act_is_refused() -> None:
+    """'skip' acts before the update, on gradient spikes, which are notes: with act_on='warning' and the
+    default warn globs it could never act, so the config says so; naming those series makes it valid."""
+    with pytest.raises(ValueError, match="act_on='info'"):
+        DetectConfig(actions={"spike": "skip"})
+    DetectConfig(actions={"spike": "skip"}, act_on="info")
+    DetectConfig(actions={"spike": "skip"}, options={"spike": {"warn": ["loss", "grad/*"]}})
 
 
 def test_rollback_restores_the_snapshot_bitwise_in_place() -> None:
