@@ -27,8 +27,8 @@ The levels keep early-training growth from init (attention logits ~3 → ~10) si
 **Severity.** Growth while the model keeps learning is not yet trouble: Muon grows the residual
 stream steadily (Llama + Muon: ``act/*/rms`` past 30× its start at step 190 while the loss fell to
 1.94), and attention logits grow as heads sharpen. So a drift is a *note* ('info') while the loss
-still falls over the drift's window (the median of the window's last third below that of its first
-third; the detector reads ``loss`` for it) and the value is below its danger line; a *warning* when
+still falls over the drift's window, or the last ``loss_span`` (100) steps when that is longer (the
+median of the span's last third below that of its first third; the detector reads ``loss`` for it) and the value is below its danger line; a *warning* when
 the loss has stopped falling, or the value is past the danger line:
 
 | series | danger line | why |
@@ -87,6 +87,10 @@ class DriftOptions:
     residual_danger: float = field(default=300.0, metadata=bounds(lo=0, lo_open=True))
     """A drifting residual RMS at or above this multiple of its first values is a warning even while
     the loss falls."""
+    loss_span: int = field(default=100, metadata=bounds(lo=1))
+    """The fewest steps over which "the loss still falls" is judged (the drift's window when longer):
+    sampled every step, a 20-step window's loss is mostly noise, and a healthy run's loss then looks
+    stalled one window in three."""
 
 
 @dataclass
@@ -293,7 +297,8 @@ class DriftDetector(Detector):
             past = last >= danger
         if past:
             return "warning", f"— past its danger line {danger:.4g}"
-        falling = self._loss_falls(s.window[0][0], s.window[-1][0])
+        end_step = s.window[-1][0]
+        falling = self._loss_falls(min(s.window[0][0], end_step - self.options.loss_span), end_step)
         if falling is None:
             return "warning", "— the loss is not known to be falling"
         if not falling:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
 import torch
 from zoo import reference_gpt
 
@@ -142,3 +143,27 @@ def test_growth_while_the_loss_falls_is_a_note_and_a_warning_once_it_stalls_or_p
         if (event := det.update(step, "act/blocks.0/rms", 1.01**step)) is not None:
             unknown.append(event)
     assert unknown and unknown[0].severity == "warning"
+
+
+def test_a_noisy_falling_loss_sampled_every_step_is_judged_over_loss_span() -> None:
+    """Full mode samples every step, so a 20-value drift window spans 20 steps, where a healthy loss's
+    noise hides its fall (the corpus's 8 false 'stopped falling' warnings). Judged over the last
+    `loss_span` steps, the same loss falls: every event is a note."""
+    rng = np.random.default_rng(0)
+    noise = rng.normal(0.0, 0.15, 280)  # 1.02^t stays below the danger line (300× its start)
+
+    def every_step(det: DriftDetector) -> list[stabkit.Event]:
+        found = []
+        for step in range(280):
+            det.update(step, "loss", 4.0 * math.exp(-step / 400) + 1.5 + float(noise[step]))
+            if (event := det.update(step, "act/blocks.0/rms", 1.02**step)) is not None:
+                found.append(event)
+        return found
+
+    short = every_step(detector(loss_span=1))  # the drift's own 20-step window
+    assert any(e.severity == "warning" and "stopped falling" in e.message for e in short)
+    judged = every_step(detector())
+    assert judged and [e.step for e in judged] == [e.step for e in short]
+    assert all(e.severity == "info" and e.details["loss_falling"] for e in judged), [
+        e.message for e in judged
+    ]
