@@ -136,6 +136,7 @@ def attach_scope(
     hooks: Registrar = DIRECT,
     owner: str = "attention-scope",
     resolve: Callable[[Any], Handler | None] | None = None,
+    on_enter: Callable[[str], None] | None = None,
 ) -> ScopeHandle:
     """While each module at `paths` (``named_modules`` paths in `model`) runs, route the calls of
     `functions` to their handlers. `outer` picks the hook order (see the module docstring).
@@ -144,7 +145,9 @@ def attach_scope(
     for that forward (e.g. a probe sampling only some steps). `on_exit` runs after each scoped
     forward with the number of calls handled. `hooks` registers the two hooks per module (a monitor's
     `HookSet` for probes). `resolve` picks a handler for functions not in `functions` (known attention
-    kernels, by op name: `stabkit.attention.kernels.lookup`). Returns a handle that removes the hooks.
+    kernels, by op name: `stabkit.attention.kernels.lookup`). `on_enter(path)` runs in each pre-hook
+    that pushes the mode (an intervention notes the module's grad mode). Returns a handle that removes
+    the hooks.
     """
     handles: list[Any] = []
     for path in paths:
@@ -160,6 +163,8 @@ def attach_scope(
             if enabled is not None and not enabled():
                 _stack.append(None)
                 return
+            if on_enter is not None:
+                on_enter(_path)
             mode = ScopedFunctionMode(_path, functions, resolve)
             mode.__enter__()
             _stack.append(mode)

@@ -51,6 +51,9 @@ class Handle:
         self.counts: dict[str, int] = {}
         """Calls the intervention changed, per module path (host counters, no sync): what
         `stabkit.interventions.verify` checks after a forward."""
+        self.refused: dict[str, str] = {}
+        """Why a call at a module path was left unchanged (the latest reason; `kernel_change`): what
+        `stabkit.interventions.verify` names when it refuses the intervention."""
 
     # ---------------------------------------------------------------- building (apply time)
     def on_remove(self, undo: Callable[[], None]) -> None:

@@ -25,6 +25,7 @@ from ..attention.scope import SDPA, attach_scope
 from ..discovery.trace import LINEAR
 from .common import keep_hook
 from .handle import Handle, InterventionError
+from .kernel_change import KernelChange
 
 _MATMULS: tuple[Callable[..., Any], ...] = (
     torch.matmul,
@@ -89,8 +90,10 @@ def hook_weight_ops(
 class _AtCall:
     """The handlers of `hook_at_call` for one attention module."""
 
-    def __init__(self, norm_q: nn.Module, norm_k: nn.Module, head_dim: int) -> None:
+    def __init__(self, norm_q: nn.Module, norm_k: nn.Module, head_dim: int, change: KernelChange) -> None:
         self.norm_q, self.norm_k, self.head_dim = norm_q, norm_k, head_dim
+        self.change = change
+        """Applies the norm at known kernels' calls where their backward sees it."""
         self.done: dict[str, int] = {}
         """Products normalised in the forward in progress (eager: only the first, q·kᵀ)."""
         self.calls: dict[str, int] = {}
@@ -107,16 +110,15 @@ class _AtCall:
 
     def kernel(self, func: Any) -> Callable[..., Any] | None:
         kernel = kernels.lookup(func)
-        if kernel is None or not all(kernel.qk):
+        if kernel is None or not (kernel.map_qk is not None or all(kernel.qk)):
             return None
 
         def handler(path: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            bound = kernels.bind(kernel, fn, args, kwargs)
-            q_name, k_name = kernel.qk
-            bound.arguments[q_name] = self.norm_q(bound.arguments[q_name])
-            bound.arguments[k_name] = self.norm_k(bound.arguments[k_name])
-            self.calls[path] = self.calls.get(path, 0) + 1
-            return kernels.recall(fn, bound)
+            def normalise(arguments: dict[str, Any]) -> None:
+                kernels.map_qk(kernel, arguments, self.norm_q, self.norm_k)
+                self.calls[path] = self.calls.get(path, 0) + 1
+
+            return self.change.call(path, kernel, fn, args, kwargs, normalise)
 
         return handler
 
@@ -167,12 +169,20 @@ def hook_at_call(
     """Normalise q and k at the attention calls the module at `a.path` makes (see the module docstring)."""
     if not a.head_dim:
         raise InterventionError(name, a.path, "head_dim unknown (pass model_map= with it)")
-    at = _AtCall(norm_q, norm_k, int(a.head_dim))
+    change = KernelChange(name, handle)
+    at = _AtCall(norm_q, norm_k, int(a.head_dim), change)
     functions: dict[Callable[..., Any], Any] = {SDPA: at.sdpa}
     if a.impl == "eager" or a.impl.startswith("hf:eager"):
         functions.update(dict.fromkeys((*_MATMULS, *_BADDBMM, torch.einsum), at.product))
     scope = attach_scope(
-        model, [a.path], functions, outer=True, on_exit=at.end, owner=name, resolve=at.kernel
+        model,
+        [a.path],
+        functions,
+        outer=True,
+        on_exit=at.end,
+        owner=name,
+        resolve=at.kernel,
+        on_enter=change.enter,
     )
     keep_hook(handle, scope)
     keep_hook(handle, kernels.install())

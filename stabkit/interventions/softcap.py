@@ -9,7 +9,10 @@
   additive bias, as on the SDPA path (`stabkit.interventions.softcap_eager`); masked entries (at or
   below ``finfo.min / 2``, or ``-inf``) are left as they are;
 - a known kernel with a soft-cap argument (flash-attn ≥ 2.6 ``softcap``, FlexAttention ``score_mod``):
-  through that argument; a kernel without one (xformers, Transformer Engine) is refused by name;
+  through that argument, at the call autograd sees (flash-attn's Python entry points, whose autograd
+  Function keeps the cap for its backward; a change its backward would not see is refused,
+  `stabkit.interventions.kernel_change`); a kernel without one (xformers, Transformer Engine) is
+  refused by name;
 - ``nn.MultiheadAttention``: the decomposed forward of `stabkit.interventions.mha` calls SDPA visibly,
   which is then intercepted as above.
 
@@ -42,6 +45,7 @@ from ..tables import bounds
 from .base import Intervention
 from .common import keep_hook, logits_map, model_map, set_attr, warn_internal_loss
 from .handle import Handle, InterventionError
+from .kernel_change import KernelChange
 from .mha import SOFTCAP_ATTR, patch_mha
 from .softcap_eager import EagerCap
 from .verify import check_capped
@@ -69,9 +73,9 @@ def _sdpa_handler(cap: float, handle: Handle) -> Handler:
     return handler
 
 
-def _kernel_resolver(cap: float, handle: Handle) -> Callable[[Any], Handler | None]:
-    """Cap a known kernel's call through its own soft-cap argument (flash-attn's ``softcap``,
-    FlexAttention's ``score_mod``)."""
+def _kernel_resolver(cap: float, change: KernelChange) -> Callable[[Any], Handler | None]:
+    """Cap a known kernel's call through its own soft-cap argument (flash-attn's ``softcap`` at its
+    entry points, FlexAttention's ``score_mod``), where its backward sees the cap (`KernelChange`)."""
 
     def resolve(func: Any) -> Handler | None:
         kernel = kernels.lookup(func)
@@ -80,10 +84,7 @@ def _kernel_resolver(cap: float, handle: Handle) -> Callable[[Any], Handler | No
         rewrite = kernel.cap
 
         def handler(path: str, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-            bound = kernels.bind(kernel, fn, args, kwargs)
-            rewrite(bound.arguments, cap)
-            handle.count(path)
-            return kernels.recall(fn, bound)
+            return change.call(path, kernel, fn, args, kwargs, lambda arguments: rewrite(arguments, cap))
 
         return handler
 
@@ -168,13 +169,15 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
         on_exit = _warn_uncapped(handle)
         if routes["sdpa"] or routes["kernel"]:
             paths = routes["sdpa"] + routes["kernel"]
+            change = KernelChange(ATTN, handle)
             scope = attach_scope(
                 model,
                 paths,
                 {SDPA: _sdpa_handler(cap, handle)},
                 outer=True,
                 on_exit=on_exit,
-                resolve=_kernel_resolver(cap, handle),
+                resolve=_kernel_resolver(cap, change),
+                on_enter=change.enter,
             )
             keep_hook(handle, scope)
             keep_hook(handle, kernels.install())

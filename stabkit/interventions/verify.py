@@ -6,7 +6,9 @@ The forward runs under discovery's trace (`stabkit.discovery.trace.run_trace`: R
 buffers restored, no parameter gradient), so training is unchanged. What is checked:
 
 - every intervention: the forward runs (a norm hooked onto a tensor of the wrong width fails here,
-  not in training), and every module holding a parameter the intervention added runs;
+  not in training), no kernel call was left unchanged (`stabkit.interventions.kernel_change`: a change
+  that would reach the forward only, or one the kernel cannot take), and every module holding a
+  parameter the intervention added runs;
 - then each intervention's own check, its plug-in's `Intervention.verify` (looked up by name in
   `stabkit.plugins.INTERVENTIONS`), which the built-ins take from here:
   ``qk_norm`` (`check_qk_norm`): at every attention call the trace sees, each head's query and key
@@ -79,16 +81,24 @@ def verify(model: nn.Module, handles: dict[str, Handle], example: Any) -> None:
     args, kwargs = as_example(example)
     for handle in handles.values():
         handle.counts.clear()
+        handle.refused.clear()
     try:
         trace = run_trace(model, args, kwargs)
     except InterventionError:
         raise
-    except Exception as exc:  # the surgery broke the forward
+    except Exception as exc:  # the surgery broke the forward (or a call it left unchanged failed)
+        for name, handle in handles.items():
+            for path, why in handle.refused.items():
+                raise InterventionError(
+                    name, path, f"not in effect: an attention call was left unchanged: {why}"
+                ) from exc
         names = ", ".join(handles)
         raise InterventionError(
             names, type(model).__name__, f"the model's forward fails with it: {type(exc).__name__}: {exc}"
         ) from exc
     for name, handle in handles.items():
+        for path, why in handle.refused.items():
+            raise InterventionError(name, path, f"not in effect: an attention call was left unchanged: {why}")
         _check_ran(trace, model, name, handle)
         if name in INTERVENTIONS:
             INTERVENTIONS.load(name)().verify(trace, model, handle)

@@ -5,7 +5,7 @@ entry points become visible to function modes.
 """
 
 from . import aten, flash, flex, te, xformers  # noqa: F401  (registers the built-in kernels)
-from .base import KERNELS, Kernel, bind, is_op, lookup, op_name, read_call, recall
+from .base import KERNELS, Kernel, bind, hides_its_backward, is_op, lookup, map_qk, op_name, read_call, recall
 from .custom import LAYOUTS, forget_kernel, register_kernel
 from .entry_points import EntryPoints, install
 
@@ -16,9 +16,11 @@ __all__ = [
     "Kernel",
     "bind",
     "forget_kernel",
+    "hides_its_backward",
     "install",
     "is_op",
     "lookup",
+    "map_qk",
     "op_name",
     "read_call",
     "recall",

@@ -30,6 +30,9 @@ Reader = Callable[[Mapping[str, Any]], QKCall]
 """bound arguments (by parameter name, defaults filled in) -> the canonical call."""
 CapRewrite = Callable[[dict[str, Any], float], None]
 """Set the kernel's own soft cap to `cap` in the bound arguments, in place (or raise ValueError)."""
+QKMap = Callable[[torch.Tensor], torch.Tensor]
+QKRewrite = Callable[[dict[str, Any], QKMap, QKMap], None]
+"""Replace q by f(q) and k by g(k) in the bound arguments, in place (or raise ValueError)."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,9 @@ class Kernel:
     qk: tuple[str, str] = ("q", "k")
     """Names of the query and key arguments (their last dim is the head dim, whatever the layout):
     where ``qk_norm`` normalises them at the call."""
+    map_qk: QKRewrite | None = None
+    """How to replace q and k in the bound arguments when they are not simply the `qk` arguments (a
+    packed ``qkv`` / ``kv`` entry point); None: the `qk` arguments."""
 
     def describe(self) -> str:
         """One line for ``stabkit list kernels`` and the README."""
@@ -159,6 +165,29 @@ def read_call(kernel: Kernel, func: Any, args: tuple[Any, ...], kwargs: Mapping[
     call = kernel.read(bind(kernel, func, args, kwargs).arguments)
     call.kernel = kernel.name
     return call
+
+
+def map_qk(kernel: Kernel, arguments: dict[str, Any], f: QKMap, g: QKMap) -> None:
+    """Replace the call's queries q by f(q) and keys k by g(k) in its bound `arguments`, in place
+    (``qk_norm`` at a kernel call); ValueError when the kernel names no query or key argument."""
+    if kernel.map_qk is not None:
+        kernel.map_qk(arguments, f, g)
+        return
+    q_name, k_name = kernel.qk
+    if not (q_name and k_name):
+        raise ValueError(f"the kernel {kernel.name!r} names no query and key arguments")
+    arguments[q_name] = f(arguments[q_name])
+    arguments[k_name] = g(arguments[k_name])
+
+
+def hides_its_backward(func: Any, grad_at_entry: bool) -> bool:
+    """True when a change to this kernel call would not reach its backward: `func` is a torch op called
+    with grad mode off although the attention module started its forward with grad mode on — the op
+    runs inside an ``autograd.Function``'s forward (flash-attn's ``FlashAttnFunc`` calls
+    ``flash_attn::_flash_attn_forward`` so), whose backward uses the arguments and soft cap *it* was
+    given. A Python entry point, an op with its own autograd formula called with grad on (aten SDPA,
+    FlexAttention's higher-order op) and any call in a forward without grad (evaluation) are fine."""
+    return grad_at_entry and not torch.is_grad_enabled() and is_op(func)
 
 
 def recall(func: Any, bound: inspect.BoundArguments) -> Any:

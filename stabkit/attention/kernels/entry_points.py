@@ -107,10 +107,16 @@ def _unpatch_all() -> None:
 
 
 class EntryPoints:
-    """A hold on the installed wrappers; `remove` releases it (safe twice; a context manager)."""
+    """A hold on the installed wrappers; `remove` releases it (safe twice; a context manager). A hold
+    dropped without `remove` (an intervention handle collected with its model) is released when it is
+    garbage-collected."""
 
     def __init__(self) -> None:
         self._held = True
+
+    def __del__(self) -> None:
+        if getattr(self, "_held", False) and sys is not None and not sys.is_finalizing():
+            self.remove()
 
     def remove(self) -> None:
         if self._held:

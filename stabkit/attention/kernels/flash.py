@@ -1,6 +1,12 @@
-"""flash-attn 2 (≥ 2.7) and flash-attn 3: read at their torch ops, which every Python entry point
-(``flash_attn_func``, the packed ``qkvpacked`` / ``kvpacked`` variants, ``flash_attn_varlen_func``,
-Hugging Face's ``flash_attention_2``) goes through.
+"""flash-attn 2 (≥ 2.7) and flash-attn 3: read at their Python entry points (``flash_attn_func``, the
+packed ``qkvpacked`` / ``kvpacked`` variants, ``flash_attn_varlen_func`` and its packed variants;
+Hugging Face's ``flash_attention_2`` / ``_3`` call these) and at their torch forward ops, which every
+entry point goes through (a call made by other code, e.g. a ring-attention Function, is still read).
+
+Interventions change a call at its entry point, where autograd sees it: each entry point hands its
+arguments to an ``autograd.Function`` (``FlashAttnFunc``…) that saves the q and k *it* was given and
+keeps its own ``softcap`` for the backward, so a cap or a q/k norm applied to the op inside would change
+the forward only (`stabkit.attention.kernels.base.hides_its_backward`: such a call is refused).
 
 Semantics (flash-attn's docstrings): q, k, v are (batch, seqlen, heads, head_dim), or packed
 (total, heads, head_dim) with ``cu_seqlens_q/k`` for the varlen ops; query head h uses key head
@@ -64,8 +70,66 @@ def _positions(
     return Positions.aligned(n_q, n_k, q.device, bottom_right=True, **masks)
 
 
+PACKED_AXIS = -3
+"""The axis of the (q, k, v) or (k, v) index in flash-attn's packed layouts: qkv (B, S, 3, H, D) or
+(total, 3, H, D); kv (B, S, 2, Hk, D) or (total, 2, Hk, D)."""
+
+
+def _heads_packed(a: Mapping[str, Any]) -> bool:
+    """flash-attn 3's 4-d packed layout: qkv (B, S, Hq + 2·Hk, D) split by ``num_heads_q``."""
+    qkv = a["qkv"]
+    return qkv.dim() == 4 and bool(a.get("num_heads_q")) and qkv.shape[PACKED_AXIS] != 3
+
+
+def _unpacked_qkv(a: Mapping[str, Any]) -> tuple[torch.Tensor, ...]:
+    """q, k, v (views) of a packed ``qkv``: 3 along `PACKED_AXIS`, or split by heads (`_heads_packed`)."""
+    qkv = a["qkv"]
+    if _heads_packed(a):
+        hq = int(a["num_heads_q"])
+        hk = (qkv.shape[-2] - hq) // 2
+        return tuple(qkv.split([hq, hk, hk], dim=-2))
+    return tuple(qkv.unbind(dim=PACKED_AXIS))
+
+
+def entry_arguments(a: Mapping[str, Any]) -> dict[str, Any]:
+    """An entry point's bound arguments in the forward op's names: ``qkv`` / ``kv`` unpacked into q, k
+    (views), ``window_size`` split into its two sides, one ``cu_seqlens`` for q and k. An op's own
+    arguments pass unchanged."""
+    out = dict(a)
+    if "qkv" in out:
+        out["q"], out["k"], _ = _unpacked_qkv(out)
+    if "kv" in out:
+        out["k"] = out["kv"].unbind(dim=PACKED_AXIS)[0]
+    if "window_size" in out and "window_size_left" not in out:
+        left, right = out["window_size"]
+        out["window_size_left"], out["window_size_right"] = left, right
+    if "cu_seqlens" in out:
+        out["cu_seqlens_q"] = out["cu_seqlens_k"] = out["cu_seqlens"]
+    return out
+
+
+def map_packed_qk(a: dict[str, Any], f: Any, g: Any) -> None:
+    """Replace q by f(q) and k by g(k) in an entry point's arguments, repacking ``qkv`` / ``kv``
+    (autograd sees the stack, so the gradients reach the packed input)."""
+    if "qkv" in a:
+        q, k, v = _unpacked_qkv(a)
+        if _heads_packed(a):
+            a["qkv"] = torch.cat([f(q), g(k), v], dim=-2)
+        else:
+            a["qkv"] = torch.stack([f(q), g(k), v], dim=PACKED_AXIS)
+        return
+    a["q"] = f(a["q"])
+    if "kv" in a:
+        k, v = a["kv"].unbind(dim=PACKED_AXIS)
+        a["kv"] = torch.stack([g(k), v], dim=PACKED_AXIS)
+    else:
+        a["k"] = g(a["k"])
+
+
 def read_flash2(a: Mapping[str, Any]) -> QKCall:
-    """``flash_attn::_flash_attn_forward`` and ``flash_attn::_flash_attn_varlen_forward``."""
+    """``flash_attn::_flash_attn_forward``, ``flash_attn::_flash_attn_varlen_forward`` and the Python
+    entry points (`entry_arguments`)."""
+    a = entry_arguments(a)
     _refuse(a, ("block_table", "leftpad_k", "seqused_k"), "flash_attn")
     q, k = _heads_first(a["q"]), _heads_first(a["k"])
     positions = _positions(
@@ -81,7 +145,9 @@ def read_flash2(a: Mapping[str, Any]) -> QKCall:
 
 
 def read_flash3(a: Mapping[str, Any]) -> QKCall:
-    """``flash_attn_3::_flash_attn_forward`` (dense, or packed with ``cu_seqlens_q/k``)."""
+    """``flash_attn_3::_flash_attn_forward`` (dense, or packed with ``cu_seqlens_q/k``) and the Python
+    entry points (`entry_arguments`)."""
+    a = entry_arguments(a)
     _refuse(
         a,
         (
@@ -117,7 +183,34 @@ def cap_argument(a: dict[str, Any], cap: float) -> None:
     """Soft-cap through flash-attn's own ``softcap`` argument (flash-attn ≥ 2.6, flash-attn 3)."""
     if positive(a.get("softcap")) is not None:
         raise ValueError(f"the call soft-caps already (softcap={a['softcap']})")
+    if float(a.get("dropout_p") or 0.0) > 0:
+        raise ValueError(
+            f"flash-attn cannot soft-cap with attention dropout (dropout_p={a['dropout_p']}: "
+            "'Softcapping does not support dropout'); set the attention dropout to 0"
+        )
     a["softcap"] = float(cap)
+
+
+FLASH2_ENTRY_POINTS = tuple(
+    f"flash_attn.flash_attn_interface:{name}"
+    for name in (
+        "flash_attn_func",
+        "flash_attn_kvpacked_func",
+        "flash_attn_qkvpacked_func",
+        "flash_attn_varlen_func",
+        "flash_attn_varlen_kvpacked_func",
+        "flash_attn_varlen_qkvpacked_func",
+    )
+)
+"""flash-attn 2.8's training entry points (``flash_attn/flash_attn_interface.py``); ``flash_attn`` re-exports
+them and Hugging Face imports them (every copy is wrapped, `entry_points`)."""
+FLASH3_ENTRY_POINTS = tuple(
+    f"{module}:{name}"
+    for module in ("flash_attn_interface", "flash_attn_3.flash_attn_interface")
+    for name in ("flash_attn_func", "flash_attn_qkvpacked_func", "flash_attn_varlen_func")
+)
+"""flash-attn 3's training entry points (``hopper/flash_attn_interface.py``, installed as the top-level
+``flash_attn_interface`` module, and in newer builds also under ``flash_attn_3``)."""
 
 
 FLASH2 = add(
@@ -126,7 +219,9 @@ FLASH2 = add(
         "flash-attn 2",
         read_flash2,
         ops=("flash_attn::_flash_attn_forward", "flash_attn::_flash_attn_varlen_forward"),
+        functions=FLASH2_ENTRY_POINTS,
         cap=cap_argument,
+        map_qk=map_packed_qk,
     )
 )
 FLASH3 = add(
@@ -135,6 +230,8 @@ FLASH3 = add(
         "flash-attn 3",
         read_flash3,
         ops=("flash_attn_3::_flash_attn_forward",),
+        functions=FLASH3_ENTRY_POINTS,
         cap=cap_argument,
+        map_qk=map_packed_qk,
     )
 )

@@ -293,7 +293,11 @@ def test_fill_converts_and_keeps_the_base() -> None:
     assert mon.families == frozenset({"loss", "grad"}) and mon.attn_sample_rows is None
     det = fill(
         DetectConfig,
-        {"actions": {"spike": ["skip", "dump"]}, "options": {"spike": {"series": ["loss"]}}, "act_on": "info"},
+        {
+            "actions": {"spike": ["skip", "dump"]},
+            "options": {"spike": {"series": ["loss"]}},
+            "act_on": "info",
+        },
         "detect",
     )
     assert det.actions["spike"] == ("skip", "dump") and det.options_for("spike").series == ("loss",)
