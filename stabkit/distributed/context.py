@@ -47,9 +47,11 @@ except ImportError:  # pragma: no cover - builds without torch.distributed
 def process_group_active() -> bool:
     """True when collectives are on: torch.distributed is initialised with more than one rank and
     not switched off by ``STABKIT_DISTRIBUTED=0``. Cheap; safe to call anywhere."""
+    if not (dist.is_available() and dist.is_initialized()):  # the common case first: no environment read
+        return False
     if os.environ.get(ENV_SWITCH, "").strip().lower() in ("0", "off", "false", "no"):
         return False
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.get_world_size() > 1
 
 
 def is_dtensor(t: Any) -> bool:

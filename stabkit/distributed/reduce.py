@@ -181,9 +181,16 @@ def host_values(tensors: Sequence[torch.Tensor], reductions: Sequence[str]) -> l
     """
     if not tensors:
         return []
-    tensors = [local(t) for t in tensors]  # a DTensor flag: this rank's value (combined below)
-    device = tensors[0].device
-    stacked = torch.stack([t.detach().float().reshape(()).to(device) for t in tensors])
+    device = local(tensors[0]).device
+    # a DTensor flag: this rank's value (combined below); 0-d float32 values on one device as they are
+    stacked = torch.stack(
+        [
+            t.detach()
+            if type(t) is torch.Tensor and t.dtype == torch.float32 and t.dim() == 0 and t.device == device
+            else local(t).detach().float().reshape(()).to(device)
+            for t in tensors
+        ]
+    )
     return reduce_now(stacked, reductions).tolist()  # sync point
 
 

@@ -88,11 +88,15 @@ class ProbeContext:
         """True when the step in progress is one on which per-layer statistics are taken (never
         during discovery's traced forward). Reads `phase`, never the step: safe in compiled hooks.
         Traced with a gated phase (`StepPhase.gated`): True — the opaque ops decide at run time."""
+        phase = self.phase
+        if not torch.compiler.is_compiling():  # eager: two flags (the hooks' common case, every step)
+            on = phase.sampled if every is None or every == phase.every else phase.on(every)
+            return on and not tracing()
         if tracing():
             return False
-        if self.phase.gated and torch.compiler.is_compiling():
+        if phase.gated:
             return True
-        return self.phase.on(every or self.config.every)
+        return phase.on(every or phase.every)
 
     def compiled_values(
         self, every_step: Callable[[], torch.Tensor] | None, opaque: Callable[[int, int], torch.Tensor]

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, DistContext, like_param, local
+from ..distributed import SINGLE, DistContext, is_dtensor, like_param, local
 from ..stats import after_update as update_notes
 from ..stats import foreach_norm_f32, l2_of_norms
 from ..stats.after_update import FiniteSeen
@@ -80,9 +80,12 @@ class GradProbe(Probe):
         super().detach()
 
     def _watched(self, ctx: ProbeContext) -> tuple[Any, ...]:
-        """What the parameter lists depend on: which parameters train, and the optimizer's groups."""
-        trainable = tuple(id(p) for p in ctx.model.parameters() if p.requires_grad)
-        groups = () if ctx.optimizer is None else tuple(len(g["params"]) for g in ctx.optimizer.param_groups)
+        """What the parameter lists depend on: which of the model's parameters (as of the last
+        `_setup`) train, and the optimizer's groups. Runs once or twice a step, so it walks no module:
+        the model's parameters are listed at `_setup`; a parameter new to the model is seen when it
+        joins the optimizer (``add_param_group``, or a group's list grows)."""
+        trainable = [p.requires_grad for p in self._all_params]
+        groups = () if ctx.optimizer is None else [len(g["params"]) for g in ctx.optimizer.param_groups]
         return trainable, groups
 
     def _setup(self, ctx: ProbeContext) -> None:
@@ -91,6 +94,7 @@ class GradProbe(Probe):
         for h in self._param_handles:
             h.remove()
         self._param_handles = []
+        self._all_params = list(ctx.model.parameters())
         self._signature = self._watched(ctx)
         fam = ctx.config.families
         self.want_grad = "grad" in fam
@@ -118,6 +122,8 @@ class GradProbe(Probe):
         self._queued = False
         self.dist: DistContext = ctx.extras.get("dist") or SINGLE
         self.scales = self.dist.norm_scales(self.params)
+        self._dtensors = any(is_dtensor(p) for p in self.params)
+        """Some parameter is a DTensor: gradients are taken as this rank's piece (`local`)."""
         self.unit_norms = UnitNorms.of(
             self.unit_index, len(self.unit_names), [local(p.detach()).device for p in self.params]
         )
@@ -146,11 +152,13 @@ class GradProbe(Probe):
         ctx = self.ctx
         if ctx is not None and self._watched(ctx) != self._signature:  # unfrozen since: follow them
             self._setup(ctx)
-        present = [i for i, p in enumerate(self.params) if p.grad is not None]
-        grads: list[torch.Tensor] = [self.params[i].grad for i in present]  # type: ignore[misc]
+        every = [p.grad for p in self.params]
+        present = [i for i, g in enumerate(every) if g is not None]
+        grads: list[torch.Tensor] = every if len(present) == len(every) else [every[i] for i in present]  # type: ignore[assignment,misc]
         if self.dist.sharded:  # a DTensor gradient in its parameter's layout (Partial: a collective)
             grads = [like_param(g, self.params[i]) for i, g in zip(present, grads, strict=True)]
-        grads = [local(g) for g in grads]
+        if self._dtensors:
+            grads = [local(g) for g in grads]
         norms = foreach_norm_f32(grads) if grads else []
         for i, n in zip(present, self._scaled(present, norms), strict=True):
             self._grad_norms[i] = n
