@@ -32,11 +32,17 @@ import torch.nn.functional as F
 
 from ..config import MonitorConfig
 from ..harness.data import load_corpus
-from ..harness.models import GPT, PRESET_BATCH, GPTConfig, preset_config
+from ..harness.models import GPT, GPTConfig
 from ..monitor import Monitor, attach
+from .fixed_cost import added_ms
 from .interventions import INTERVENTION_VARIANTS, apply_variant
+from .machine import describe
+from .presets import bench_sizes, size_batch, size_config
 
 VARIANTS = ("bare", "default", "full", "anomaly")
+SPARSE_VARIANTS = ("every100",)
+"""Monitored variants not run unless asked for: ``every100`` samples per-layer statistics and logs every
+100 steps (``MonitorConfig(every=100, log_every=100)``): nearly every step is an unsampled one."""
 COMPILED_VARIANTS = ("bare", "default", "full")
 """The variants of ``--compile`` (detect_anomaly is an eager-mode peer)."""
 
@@ -58,7 +64,7 @@ class BenchConfig:
     """What to measure."""
 
     size: str = "small"
-    """Reference GPT preset."""
+    """Reference GPT preset, or a bench shape (`stabkit.bench.presets`: ``small-step``)."""
     device: str = "cpu"
     """'cpu' or 'cuda'."""
     steps: int = 40
@@ -84,8 +90,14 @@ class BenchConfig:
     """Quick mode (`QUICK`): the table says its noise band is wider and memory was not measured."""
     compile: bool = False
     """Every variant trains ``torch.compile(model)``; graphs, breaks, recompiles and compile time reported."""
+    paired: bool = False
+    """Variants take turns step by step (slices of one step) instead of slices of `SLICE_STEPS`: a
+    monitored step and a bare one run next to each other, so even a short slow spell of the machine
+    hits both members of each pair (the per-step A/B of the cost guide)."""
 
     def __post_init__(self) -> None:
+        if self.size not in bench_sizes():
+            raise ValueError(f"bench: unknown size {self.size!r}; choose one of {list(bench_sizes())}")
         if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
             raise ValueError("bench: --steps and --repeats must be >= 1 (warmup >= 0)")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len < 1):
@@ -103,7 +115,7 @@ class BenchConfig:
             raise ValueError(f"bench: --device must be cpu or cuda, got {self.device!r}")
         if self.device == "cuda" and not torch.cuda.is_available():
             raise ValueError("bench: --device cuda asked for, but torch.cuda.is_available() is False")
-        allowed = [*VARIANTS, *INTERVENTION_VARIANTS]
+        allowed = [*VARIANTS, *SPARSE_VARIANTS, *INTERVENTION_VARIANTS]
         unknown = set(self.variants) - set(allowed)
         if unknown:
             raise ValueError(f"bench: unknown variant(s) {sorted(unknown)}; allowed: {allowed}")
@@ -139,6 +151,14 @@ class VariantResult:
     """Compiled: graphs compiled during the timed rounds, after warm-up (0 expected)."""
     compile_s: float | None = None
     """Compiled: CPU seconds of compiling every graph, cold (`stabkit.bench.compiled`)."""
+    step_cpu: list[list[float]] = field(default_factory=list)
+    """Per round, the seconds of each timed step in order — process CPU time on a CPU, wall time to a
+    synchronize on CUDA (`stabkit.bench.fixed_cost` pairs them with bare's steps of the same round)."""
+    monitored: bool = False
+    """A monitor is attached to this variant's model (the "+ms" columns are its cost)."""
+    step_sampled: list[list[bool]] = field(default_factory=list)
+    """Per round, whether each timed step was a sampled one for the variant's monitor
+    (``MonitorConfig.every``; False throughout without a monitor)."""
 
     @property
     def median(self) -> float:
@@ -219,6 +239,9 @@ class BenchResult:
                     None if self.memory.get(name) is None else self.memory[name] / self.model_bytes  # type: ignore[operator]
                 ),
             }
+            for kind, added in added_ms(self, name).items():
+                rows[name][f"added_ms_{kind}"] = None if added is None else added.ms
+                rows[name][f"added_ms_{kind}_noise"] = None if added is None else added.noise
             if self.config.get("compile"):
                 rows[name].update(
                     graphs=v.graphs,
@@ -253,14 +276,20 @@ class _Trainer:
         self.forward: Any = torch.compile(self.model) if cfg.compile else self.model
         """What the loop calls: the model, or ``torch.compile(model)`` (monitors attach to the model)."""
 
-    def run(self, steps: int, anomaly: bool = False) -> None:
+    def run(self, steps: int, anomaly: bool = False, record: VariantResult | None = None) -> None:
+        """Train `steps` steps; with `record`, each step's CPU time and sampling join its last round."""
         ctx: contextlib.AbstractContextManager[Any] = contextlib.nullcontext()
+        every = None if self.monitor is None else self.monitor.config.every
+        cuda = self.device.type == "cuda"
+        clock = time.perf_counter if cuda else time.process_time  # CUDA: wall, each step synchronized
         if anomaly:
             with warnings.catch_warnings():  # "Anomaly Detection has been enabled": on purpose here
                 warnings.simplefilter("ignore", UserWarning)
                 ctx = torch.autograd.detect_anomaly(check_nan=True)
         with ctx:
             for _ in range(steps):
+                start = clock() if record is not None else 0.0
+                sampled = every is not None and self.monitor.global_step % every == 0  # type: ignore[union-attr]
                 x, y = self.batches[self.cursor % len(self.batches)]
                 self.cursor += 1
                 with _autocast(self.device, self.bf16):
@@ -272,6 +301,11 @@ class _Trainer:
                 if self.monitor is not None:
                     self.monitor.step(loss)
                 self.opt.zero_grad(set_to_none=True)
+                if record is not None:
+                    if cuda:
+                        torch.cuda.synchronize()  # sync point: a timed step's end (bench only)
+                    record.step_cpu[-1].append(clock() - start)
+                    record.step_sampled[-1].append(sampled)
 
     def model_bytes(self) -> int:
         params = sum(p.numel() * p.element_size() for p in self.model.parameters())
@@ -317,12 +351,12 @@ def model_config(cfg: BenchConfig) -> GPTConfig:
     overrides: dict[str, Any] = {} if cfg.seq_len is None else {"context": cfg.seq_len}
     if cfg.d_model is not None:
         overrides.update(d_model=cfg.d_model, n_heads=cfg.d_model // preset_head_dim(cfg.size))
-    return preset_config(cfg.size, **overrides)
+    return size_config(cfg.size, **overrides)
 
 
 def preset_head_dim(size: str) -> int:
     """The head dimension of preset `size` (d_model / n_heads)."""
-    preset = preset_config(size)
+    preset = size_config(size)
     return preset.d_model // preset.n_heads
 
 
@@ -332,8 +366,8 @@ def batch_size(cfg: BenchConfig) -> int:
     if cfg.batch_size:
         return cfg.batch_size
     if cfg.seq_len is None:
-        return PRESET_BATCH[cfg.size]
-    return max(1, PRESET_BATCH[cfg.size] * preset_config(cfg.size).context // cfg.seq_len)
+        return size_batch(cfg.size)
+    return max(1, size_batch(cfg.size) * size_config(cfg.size).context // cfg.seq_len)
 
 
 def make_batches(cfg: BenchConfig, n: int = 8) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -350,6 +384,8 @@ def monitor_config(variant: str) -> MonitorConfig | None:
         return MonitorConfig(console=False)
     if variant == "full":
         return MonitorConfig.full(console=False)
+    if variant == "every100":
+        return MonitorConfig(console=False, every=100, log_every=100)
     return None
 
 
@@ -364,9 +400,9 @@ that a slow spell of the machine (seconds long on shared CPUs) hits every varian
 `MonitorConfig.every`'s default: a slice holds whole sampling cycles."""
 
 
-def slices(steps: int) -> list[int]:
-    """A round's `steps` as consecutive slices of `SLICE_STEPS` (the last one shorter)."""
-    return [min(SLICE_STEPS, steps - done) for done in range(0, steps, SLICE_STEPS)]
+def slices(steps: int, size: int = SLICE_STEPS) -> list[int]:
+    """A round's `steps` as consecutive slices of `size` steps (the last one shorter)."""
+    return [min(size, steps - done) for done in range(0, steps, size)]
 
 
 def _timed_block(cfg: BenchConfig, tr: _Trainer, result: VariantResult, steps: int) -> tuple[float, float]:
@@ -377,7 +413,7 @@ def _timed_block(cfg: BenchConfig, tr: _Trainer, result: VariantResult, steps: i
         torch.cuda.reset_peak_memory_stats()
     before = dynamo_counts() if cfg.compile else None
     start, cpu_start = time.perf_counter(), time.process_time()
-    tr.run(steps, anomaly=result.name == "anomaly")
+    tr.run(steps, anomaly=result.name == "anomaly", record=result)
     if cfg.device == "cuda":
         torch.cuda.synchronize()  # sync point: end of a timed block
         result.peak_bytes = max(result.peak_bytes or 0, torch.cuda.max_memory_allocated())
@@ -400,6 +436,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             mcfg = monitor_config(name)
             if mcfg is not None:
                 tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
+                results[name].monitored = True
         handles = [apply_variant(tr.model, tr.opt, name) for name, tr in trainers.items()]
         for name, tr in trainers.items():
             if progress is not None:
@@ -417,7 +454,10 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             for r in range(cfg.repeats):
                 rotation = order[r % len(order) :] + order[: r % len(order)]
                 spent = {name: [0.0, 0.0] for name in rotation}  # wall, CPU seconds this round
-                for part in slices(cfg.steps):
+                for name in rotation:
+                    results[name].step_cpu.append([])
+                    results[name].step_sampled.append([])
+                for part in slices(cfg.steps, 1 if cfg.paired else SLICE_STEPS):
                     for name in rotation:
                         if progress is not None:
                             progress.begin(f"round {r + 1}/{cfg.repeats} {name}")
@@ -440,6 +480,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
     out = BenchResult(config=vars(cfg).copy(), variants=results, model_bytes=model_bytes)
     out.config["variants"] = list(cfg.variants)
     out.config["batch"] = batch_size(cfg)  # sequences per step actually used
+    out.config["machine"] = describe(cfg.device)
     if cfg.device == "cuda":
         base = results["bare"].peak_bytes or 0
         out.memory = {n: (v.peak_bytes or 0) - base for n, v in results.items()}

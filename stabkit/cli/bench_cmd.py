@@ -16,13 +16,21 @@ from .progress import Phase, duration
 
 VARIANT_NAMES = ("bare", "default", "full", "anomaly")
 """`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
-SIZES = ("tiny", "small", "gpt2", "1b")
-"""Presets `bench` offers (`stabkit.harness.models.PRESETS`)."""
+SIZES = ("tiny", "small", "gpt2", "1b", "small-step")
+"""Sizes `bench` offers: the reference GPT's presets (`stabkit.harness.models.PRESETS`), then the
+bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them equal."""
 
 
 @main.command()
 @click.option("--device", default="cpu", show_default=True, type=click.Choice(["cpu", "cuda"]))
-@click.option("--size", default="small", show_default=True, type=click.Choice(SIZES))
+@click.option(
+    "--size",
+    default="small",
+    show_default=True,
+    type=click.Choice(SIZES),
+    help="Model preset; small-step is small's width and depth on 8 x 64 tokens with RoPE and dropout "
+    "(~55 ms a step on one CPU thread), where the fixed per-step cost shows.",
+)
 @click.option(
     "--steps",
     default=None,
@@ -60,10 +68,16 @@ SIZES = ("tiny", "small", "gpt2", "1b")
     "--variants",
     default=",".join(VARIANT_NAMES),
     show_default=True,
-    help="Comma-separated; also qk_clip (the bare loop with QK-Clip at tau 100: what its exact per-head "
-    "max costs).",
+    help="Comma-separated; also every100 (default monitoring sampling and logging every 100 steps) and "
+    "qk_clip (the bare loop with QK-Clip at tau 100: what its exact per-head max costs).",
 )
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
+@click.option(
+    "--paired",
+    is_flag=True,
+    help="Variants take turns step by step instead of in slices of 10 steps: each monitored step runs "
+    "next to a bare one (resolves 1-2 points of the ratio on a noisy machine; use more --steps).",
+)
 @click.option(
     "--compile",
     "compiled",
@@ -92,6 +106,7 @@ def bench(
     bf16: bool,
     variants: str,
     no_memory: bool,
+    paired: bool,
     compiled: bool,
     quick: bool,
     json_path: str | None,
@@ -121,6 +136,7 @@ def bench(
         variants=tuple(v.strip() for v in variants.split(",") if v.strip()),
         quick=quick,
         compile=compiled,
+        paired=paired,
     )
     label = f"timing {cfg.repeats} rounds x {len(cfg.variants)} variants"
     with Phase(label, total_steps(cfg), unit="steps") as phase:

@@ -155,11 +155,11 @@ def test_lazy_packages_export_every_name(package: str) -> None:
 
 def test_cli_copies_of_names_match_the_library() -> None:
     from stabkit.bench import VARIANTS
+    from stabkit.bench.presets import bench_sizes
     from stabkit.cli.bench_cmd import SIZES, VARIANT_NAMES
-    from stabkit.harness.models import PRESETS
 
     assert VARIANT_NAMES == VARIANTS
-    assert tuple(PRESETS) == SIZES
+    assert bench_sizes() == SIZES
 
 
 @pytest.mark.parametrize(

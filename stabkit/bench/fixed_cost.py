@@ -1,0 +1,56 @@
+"""The fixed cost of monitoring: milliseconds a monitor adds to a sampled and to an unsampled step.
+
+Ratios hide what a monitor costs per step: on a 50 ms step 0.5 ms is a point, on a 500 ms step a
+tenth of one. Each timed step of a monitored variant is paired with bare's step at the same place
+of the same round (in ``--paired`` mode the two ran next to each other), and the differences are
+averaged separately over the variant's sampled steps (per-layer statistics taken,
+``MonitorConfig.every``) and unsampled ones (only the every-step scalars: what stabkit costs on most
+steps). The figure is the median over rounds, its noise half the spread of the rounds' values.
+
+When it runs: once, after the timed rounds, to fill the table's "+ms" columns and the JSON.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .runner import BenchResult
+
+
+@dataclass(frozen=True)
+class Added:
+    """Milliseconds added per step of one kind (median over rounds) and their noise band."""
+
+    ms: float
+    noise: float | None
+    """Half the spread of the per-round values (None with a single round)."""
+    steps: int
+    """Steps of this kind that were paired, over every round."""
+
+    def text(self) -> str:
+        band = "" if self.noise is None else f"±{self.noise:.2f}"
+        return f"{self.ms:+.2f}{band}"
+
+
+def added_ms(result: BenchResult, name: str) -> dict[str, Added | None]:
+    """{'sampled': ..., 'unsampled': ...} for variant `name` (None for a kind it never ran, and for
+    variants without a monitor: bare, anomaly, qk_clip)."""
+    out: dict[str, Added | None] = {"sampled": None, "unsampled": None}
+    variant, bare = result.variants[name], result.variants["bare"]
+    if not variant.monitored:
+        return out
+    for kind, want in (("sampled", True), ("unsampled", False)):
+        per_round: list[float] = []
+        steps = 0
+        for mine, base, flags in zip(variant.step_cpu, bare.step_cpu, variant.step_sampled, strict=False):
+            diffs = [m - b for m, b, f in zip(mine, base, flags, strict=False) if f == want]
+            if diffs:
+                per_round.append(1e3 * statistics.fmean(diffs))
+                steps += len(diffs)
+        if per_round:
+            noise = (max(per_round) - min(per_round)) / 2 if len(per_round) > 1 else None
+            out[kind] = Added(statistics.median(per_round), noise, steps)
+    return out

@@ -1,0 +1,122 @@
+"""`stabkit bench` shows the fixed cost: milliseconds added per sampled and per unsampled step, a
+paired (step by step) mode, the small-step preset, and which machine and thread count measured it.
+Nothing here asserts a timing: the figures' arithmetic is checked on made-up step times."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stabkit.bench import BenchConfig, format_table, run_bench
+from stabkit.bench.fixed_cost import added_ms
+from stabkit.bench.machine import describe, line
+from stabkit.bench.presets import size_batch, size_config
+from stabkit.bench.runner import BenchResult, VariantResult, batch_size, model_config
+
+
+def _result(bare: list[list[float]], mine: list[list[float]], flags: list[list[bool]]) -> BenchResult:
+    variants = {
+        "bare": VariantResult(
+            "bare", step_times=[1.0] * len(bare), cpu_times=[1.0] * len(bare), step_cpu=bare
+        ),
+        "default": VariantResult(
+            "default",
+            step_times=[1.0] * len(bare),
+            cpu_times=[1.0] * len(bare),
+            monitored=True,
+            step_cpu=mine,
+            step_sampled=flags,
+        ),
+    }
+    cfg = {"device": "cpu", "size": "small-step", "steps": 4, "repeats": len(bare), "bf16": False}
+    return BenchResult(config=cfg, variants=variants, model_bytes=1)
+
+
+def test_added_ms_pairs_each_step_with_bare_and_splits_sampled_from_unsampled() -> None:
+    bare = [[0.050, 0.050, 0.050, 0.050], [0.060, 0.060, 0.060, 0.060]]
+    mine = [[0.060, 0.0505, 0.0505, 0.0505], [0.072, 0.0607, 0.0607, 0.0607]]
+    flags = [[True, False, False, False]] * 2
+    added = added_ms(_result(bare, mine, flags), "default")
+    sampled, unsampled = added["sampled"], added["unsampled"]
+    assert sampled is not None and unsampled is not None
+    assert sampled.ms == pytest.approx(11.0)  # median of the rounds' +10 and +12 ms
+    assert sampled.noise == pytest.approx(1.0)
+    assert sampled.steps == 2
+    assert unsampled.ms == pytest.approx(0.6)  # +0.5 and +0.7 ms
+    assert unsampled.noise == pytest.approx(0.1)
+    assert unsampled.steps == 6
+    assert unsampled.text() == "+0.60±0.10"
+
+
+def test_added_ms_is_none_without_a_monitor_or_a_kind_never_run() -> None:
+    bare = [[0.05, 0.05]]
+    result = _result(bare, [[0.051, 0.051]], [[False, False]])
+    assert added_ms(result, "bare") == {"sampled": None, "unsampled": None}
+    added = added_ms(result, "default")
+    assert added["sampled"] is None and added["unsampled"] is not None
+    assert added["unsampled"].noise is None  # one round: no band
+
+
+def test_small_step_preset_is_small_on_512_tokens_with_rope_and_dropout() -> None:
+    cfg = size_config("small-step")
+    small = size_config("small")
+    assert (cfg.d_model, cfg.n_layers, cfg.n_heads) == (small.d_model, small.n_layers, small.n_heads)
+    assert cfg.context * size_batch("small-step") == 512
+    assert cfg.positions == "rope" and cfg.dropout > 0
+    bench = BenchConfig(size="small-step", d_model=256)
+    assert model_config(bench).d_model == 256 and model_config(bench).context == 64
+    assert batch_size(bench) == 8
+    with pytest.raises(ValueError, match="unknown size"):
+        BenchConfig(size="medium")
+
+
+def test_machine_line_names_the_platform_cpu_and_threads() -> None:
+    info = describe("cpu")
+    assert info["threads"] == torch.get_num_threads()
+    text = line({**info, "threads": 1})
+    assert text.startswith("machine: ") and "1 thread" in text and str(info["cpu"]) in text
+
+
+def test_a_paired_run_takes_turns_step_by_step_and_reports_the_fixed_cost(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import stabkit.bench.runner as runner
+
+    order: list[tuple[str, int]] = []
+    real = runner._timed_block
+
+    def spy(cfg: BenchConfig, tr: object, result: VariantResult, steps: int) -> tuple[float, float]:
+        order.append((result.name, steps))
+        return real(cfg, tr, result, steps)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(runner, "_timed_block", spy)
+    torch.set_num_threads(1)
+    cfg = BenchConfig(size="tiny", steps=4, repeats=2, warmup=1, variants=("bare", "every100"), paired=True)
+    result = run_bench(cfg)
+    assert all(steps == 1 for _, steps in order)  # slices of one step
+    assert [name for name, _ in order[:4]] == ["bare", "every100", "bare", "every100"]
+    v = result.variants["every100"]
+    assert [len(r) for r in v.step_cpu] == [4, 4] and [len(r) for r in result.variants["bare"].step_cpu] == [
+        4,
+        4,
+    ]
+    assert not any(any(r) for r in v.step_sampled)  # every=100: steps 1..8 are unsampled
+    assert added_ms(result, "every100")["unsampled"] is not None
+    table = format_table(result)
+    assert "paired" in table.splitlines()[0]
+    assert table.splitlines()[1].startswith("machine: ") and "1 thread" in table.splitlines()[1]
+    assert "+ms sampled" in table and "+ms unsampled" in table
+    assert "(<= 1.01x)" in table  # every100's budget
+    row = result.to_dict()["variants"]["every100"]
+    assert row["added_ms_sampled"] is None and isinstance(row["added_ms_unsampled"], float)
+
+
+def test_full_is_budgeted_from_d256_on_eager_and_reported_below() -> None:
+    bare = [[0.05]]
+    result = _result(bare, [[0.06]], [[True]])
+    result.variants["full"] = result.variants.pop("default")
+    result.variants["full"].name = "full"
+    assert "(<= 1.12x)" not in format_table(result)
+    assert "reported, not budgeted" in format_table(result)
+    result.config["d_model"] = 256
+    assert "(<= 1.12x)" in format_table(result)
