@@ -133,6 +133,9 @@ class Decisions:
         self._pre_done = False
         self._acted = False
         self._judged_before: set[str] = set()
+        self._wanted_by_names: dict[tuple[tuple[str, ...], bool | None], list[str]] = {}
+        """The per-step kinds' series among a step's names, per set of names (a sampled and an
+        unsampled step each have theirs): worked out once, not every step."""
         if wiring.optimizer is not None:
             wiring.hooks.step_pre(OWNER, wiring.optimizer, self.pre_update)
             wiring.hooks.step_post(OWNER, wiring.optimizer, self.post_update)
@@ -189,7 +192,7 @@ class Decisions:
         early: list[tuple[str, torch.Tensor]] = []
         if self.per_step:
             names = list(committed) if committed is not None else self.recorder.current_names()
-            wanted = self.judge.wanted(names, self.per_step, before_update=True)
+            wanted = self._wanted(names, True)
             early = [(n, t) for n in wanted if (t := value(n)) is not None]
         self._judged_before = {n for n, _ in early}
         reductions = self.recorder.reductions
@@ -207,6 +210,16 @@ class Decisions:
         self._judge(step, dict(zip([n for n, _ in early], host[len(flags) :], strict=True)), True)
         if not self._acted:
             self.actions.before_update(step)
+
+    def _wanted(self, names: list[str], before_update: bool | None) -> list[str]:
+        """`Judge.wanted` for the per-step kinds, remembered per (names, before_update)."""
+        key = (tuple(names), before_update)
+        hit = self._wanted_by_names.get(key)
+        if hit is None:
+            if len(self._wanted_by_names) >= 64:  # names that vary step to step: stay bounded
+                self._wanted_by_names.clear()
+            hit = self._wanted_by_names[key] = self.judge.wanted(names, self.per_step, before_update)
+        return hit
 
     # ------------------------------------------------------------------ after the update
     def post_update(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -232,7 +245,7 @@ class Decisions:
         checks = [(part, name, t) for part in self.devices.values() for name, t in part.step_flags(committed)]
         later: list[str] = []
         if self.per_step:
-            later = [n for n in self.judge.wanted(committed, self.per_step) if n not in self._judged_before]
+            later = [n for n in self._wanted(list(committed), None) if n not in self._judged_before]
         reductions = self.recorder.reductions
         host = _fetch(
             [t for *_, t in checks] + [committed[n] for n in later],

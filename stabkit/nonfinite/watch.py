@@ -29,7 +29,7 @@ from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
 from ..distributed import first_across_ranks, process_group_active
 from ..events import Event
 from ..stats import after_update as update_notes
-from ..stats.finite import any_flag, nonfinite_flag
+from ..stats.finite import any_flag, nonfinite_flag, nonfinite_scalar
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
 from .localize import FaultSite, finding_event, locate_update_fault, replay
 from .moments import find_negative, negative_event, negative_flag
@@ -127,7 +127,7 @@ class NonfiniteWatch(DeviceChecks):
         if self.scaled:
             pass  # fp16 GradScaler: overflowed gradients are its business (reported as amp/overflow)
         elif norm is not None:
-            flags.append(~torch.isfinite(norm))
+            flags.append(nonfinite_scalar(norm))
         else:
             grads = nonfinite_flag(p.grad for p in self.model.parameters() if p.grad is not None)
             if grads is not None:
@@ -218,7 +218,7 @@ class NonfiniteWatch(DeviceChecks):
         if self._update_bad is not None:
             checks.append((UPDATE_METRIC, self._update_bad))
         if "loss" in committed:
-            checks.append(("loss", ~torch.isfinite(committed["loss"])))
+            checks.append(("loss", nonfinite_scalar(committed["loss"])))
         return checks
 
     def decide_step(self, step: int, flagged: list[str]) -> Event | None:

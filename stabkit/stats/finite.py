@@ -71,8 +71,17 @@ def any_flag(flags: list[torch.Tensor]) -> torch.Tensor | None:
     host sync."""
     if not flags:
         return None
+    if len(flags) == 1 and flags[0].dtype == torch.bool and flags[0].dim() == 0:
+        return flags[0]  # one flag is its own "any" (no stack, no op: this runs every step)
     first = flags[0].device
     return torch.stack([f.to(first) for f in flags]).any()
+
+
+def nonfinite_scalar(value: torch.Tensor) -> torch.Tensor:
+    """0-d bool: the 0-d floating `value` is NaN or ±Inf. ``value * 0`` is NaN exactly then: two ops,
+    where ``~isfinite`` is five on a CPU (==, abs, !=, &, ~). Every step (the loss, the gradient norm),
+    no host sync."""
+    return (value * 0).isnan()
 
 
 def any_nonfinite(values: list[torch.Tensor]) -> torch.Tensor:
