@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# The standing GPU check, in one run on a lent CUDA device (each part under a time limit, 8.5 minutes
+# The standing GPU check, in one run on a lent CUDA device (each part under a time limit, 9 minutes
 # at most together: one device call of 600 s holds it):
 #   1. the device tests (tests/device/test_cuda.py: real SDPA backends and FlexAttention measured
 #      exactly, observation only, Inductor full monitoring) and the CUDA sync-debug test;
 #   2. stabkit bench --device cuda --size gpt2 --bf16 (shortened rounds);
-#   3. stabkit run attention-logit-growth --size gpt2 --device cuda, shortened.
+#   3. the fixed cost: stabkit bench --device cuda --size small-step --paired (a launch-bound loop,
+#      where each millisecond of Python per step is a millisecond of step time), then the
+#      milliseconds each monitored variant adds per sampled and per unsampled step, from both benches;
+#   4. stabkit run attention-logit-growth --size gpt2 --device cuda, shortened.
 # Usage, from the repository root on the device machine:  bash tests/device/run_checks.sh [OUT]
 # Needs a python3 with CUDA torch, click, scipy, numpy, tensorboard and pytest (the lent machine's
 # image has them); stabkit runs from this checkout (PYTHONPATH): nothing is installed. Each part's
 # output goes to OUT/<part>.txt (OUT: the argument, else $OUT, else runs/device-check), at most
-# six files; the exit status is 1 when any part failed.
+# nine files; the exit status is 1 when any part failed.
 set -uo pipefail
 out="${1:-${OUT:-runs/device-check}}"
 mkdir -p "$out"
@@ -32,7 +35,27 @@ part() {  # part NAME LIMIT_S COMMAND...: run it into OUT/NAME.txt, print its ta
 part tests 210 "$py" -m pytest -q -p no:cacheprovider tests/device \
     tests/bench/test_bench.py::test_no_host_sync_between_log_intervals_on_cuda
 part bench 150 "$py" -m stabkit bench --device cuda --size gpt2 --bf16 --steps 10 --repeats 3 --json "$out/bench.json"
+part fixed 60 "$py" -m stabkit bench --device cuda --size small-step --paired --variants bare,default,every100 \
+    --steps 30 --repeats 3 --no-memory --json "$out/bench-fixed.json"
+"$py" - "$out" <<'PY' | tee "$out/added-ms.txt"
+import json, pathlib, sys
+for name in ("bench.json", "bench-fixed.json"):  # ms added per step on CUDA (wall, each step synchronized)
+    path = pathlib.Path(sys.argv[1]) / name
+    if not path.exists():
+        print(f"{name}: missing")
+        continue
+    data = json.loads(path.read_text())
+    size = data["config"]["size"]
+    for variant, row in data["variants"].items():
+        if row.get("added_ms_unsampled") is None and row.get("added_ms_sampled") is None:
+            continue
+        cells = []
+        for kind in ("sampled", "unsampled"):
+            ms, noise = row.get(f"added_ms_{kind}"), row.get(f"added_ms_{kind}_noise")
+            cells.append(f"{kind} " + ("-" if ms is None else f"{ms:+.2f} ms" + (f" ±{noise:.2f}" if noise else "")))
+        print(f"ms added per step, {size} {variant} (x{row['ratio_to_bare']:.3f}): " + ", ".join(cells))
+PY
 recipe_out="$(mktemp -d)"
-part recipe 150 "$py" -m stabkit run attention-logit-growth --size gpt2 --device cuda --steps 100 --out "$recipe_out"
+part recipe 120 "$py" -m stabkit run attention-logit-growth --size gpt2 --device cuda --steps 100 --out "$recipe_out"
 cp "$recipe_out/summary.json" "$out/recipe-summary.json" 2>/dev/null
 exit "$failed"
