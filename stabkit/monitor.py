@@ -122,6 +122,8 @@ class Monitor:
         self.flush_every_step = False
         """Set on SIGTERM (`stabkit.lifecycle`): every `step()` writes out at once."""
         self.probes: list[Probe] = []
+        self._ending: list[Probe] = []
+        """The probes with work at `step` (an `end_step` of their own), listed once at attach."""
         self.detectors: Decisions | None = None
         """The detectors and actions (`stabkit.decisions`), installed after the probes; None when
         `MonitorConfig.detect` is None."""
@@ -206,6 +208,7 @@ class Monitor:
         self.context.extras["scaler"] = self.scaler
         self.context.extras["dist"] = self.dist
         self.probes = build_probes(cfg)
+        self._ending = [p for p in self.probes if type(p).end_step is not Probe.end_step]
         self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
@@ -381,7 +384,7 @@ class Monitor:
                 self.recorder.add(name, value)
         if isinstance(self.optimizer, OptimizerSet):
             self.optimizer.end_step()  # a post-step hook still due (an optimizer that did not step) runs now
-        for probe in self.probes:
+        for probe in self._ending:
             probe.end_step()
         committed = self.recorder.commit(self._step)
         try:
