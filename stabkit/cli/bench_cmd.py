@@ -73,6 +73,13 @@ bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them eq
 )
 @click.option("--no-memory", is_flag=True, help="Skip the CPU memory subprocesses.")
 @click.option(
+    "--in-hook",
+    "in_hook",
+    is_flag=True,
+    help="Also time stabkit's own calls (its hooks, the end-of-backward callback, Monitor.step) per sampled "
+    "and unsampled step of each monitored variant, on a fresh model after the rounds.",
+)
+@click.option(
     "--paired",
     is_flag=True,
     help="Variants take turns step by step instead of in slices of 10 steps: each monitored step runs "
@@ -106,6 +113,7 @@ def bench(
     bf16: bool,
     variants: str,
     no_memory: bool,
+    in_hook: bool,
     paired: bool,
     compiled: bool,
     quick: bool,
@@ -170,8 +178,19 @@ def bench(
             f"rss = peak resident set size delta, incl. Python objects (noise ±{(rss_noise or 0) / 2**20:.2f} MiB)"
         )
     click.echo(format_table(result, noise))
+    timed_inside: dict[str, dict[str, object]] = {}
+    if in_hook:
+        from ..bench.inhook import measure
+
+        for name, v in result.variants.items():
+            if v.monitored and not compiled:
+                inside = measure(cfg, name)
+                click.echo(inside.text(name))
+                timed_inside[name] = vars(inside)
     if json_path:
         data = result.to_dict()
         data["memory_noise_bytes"] = noise
+        if timed_inside:
+            data["in_hook_ms"] = timed_inside
         with open(json_path, "w", encoding="utf-8") as fh:
             json.dump(data, fh, indent=2)

@@ -4,14 +4,19 @@ Nothing here asserts a timing: the figures' arithmetic is checked on made-up ste
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 import torch
+from click.testing import CliRunner
 
 from stabkit.bench import BenchConfig, format_table, run_bench
 from stabkit.bench.fixed_cost import added_ms
 from stabkit.bench.machine import describe, line
 from stabkit.bench.presets import size_batch, size_config
 from stabkit.bench.runner import BenchResult, VariantResult, batch_size, model_config
+from stabkit.cli import main
 
 
 def _result(bare: list[list[float]], mine: list[list[float]], flags: list[list[bool]]) -> BenchResult:
@@ -120,3 +125,28 @@ def test_full_is_budgeted_from_d256_on_eager_and_reported_below() -> None:
     assert "reported, not budgeted" in format_table(result)
     result.config["d_model"] = 256
     assert "(<= 1.12x)" in format_table(result)
+
+
+def test_in_hook_timer_names_stabkits_entry_points_per_kind_of_step() -> None:
+    from stabkit.bench.inhook import measure
+
+    torch.set_num_threads(1)
+    inside = measure(BenchConfig(size="tiny", warmup=2), "default")
+    assert inside.sampled_ms is not None and inside.unsampled_ms is not None
+    assert inside.sampled_ms > inside.unsampled_ms > 0  # per-layer statistics on the sampled steps
+    for entry in ("GradProbe._after_backward", "Monitor.step", "Decisions.pre_update"):
+        assert entry in inside.top
+    assert list(inside.top.values()) == sorted(inside.top.values(), reverse=True)
+    assert inside.text("default").startswith("in stabkit, default: ")
+
+
+def test_bench_cli_small_step_paired_in_hook(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    args = ["bench", "--size", "tiny", "--steps", "2", "--repeats", "1", "--variants", "bare,default"]
+    args += ["--no-memory", "--paired", "--in-hook", "--json", str(out)]
+    result = CliRunner().invoke(main, args, standalone_mode=False)
+    assert result.exit_code == 0, result.output
+    assert "in stabkit, default: " in result.output and "paired" in result.output
+    data = json.loads(out.read_text())
+    assert data["in_hook_ms"]["default"]["unsampled_ms"] > 0
+    assert data["config"]["machine"]["threads"] >= 1
