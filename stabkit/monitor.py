@@ -373,11 +373,11 @@ class Monitor:
             except (TypeError, ValueError) as exc:
                 raise TypeError(f"{accepts}, got {type(loss).__name__} {loss!r}") from exc
         if loss is not None and "loss" in self.config.families:
-            value = (
-                loss.detach().reshape(())
-                if isinstance(loss, torch.Tensor)
-                else torch.tensor(float(loss), device=self._device)
-            )
+            if isinstance(loss, torch.Tensor):
+                value = loss.detach()
+                value = value if value.dim() == 0 else value.reshape(())
+            else:
+                value = torch.tensor(float(loss), device=self._device)
             self.recorder.add("loss", value)
         if self.interventions is not None:
             for name, value in self.interventions.metrics().items():

@@ -181,7 +181,15 @@ def host_values(tensors: Sequence[torch.Tensor], reductions: Sequence[str]) -> l
     """
     if not tensors:
         return []
-    device = local(tensors[0]).device
+    first = tensors[0]
+    if (  # the common case, every step: one dtype and device, no collective -> one stack, one copy
+        type(first) is torch.Tensor
+        and all(type(t) is torch.Tensor and t.dim() == 0 for t in tensors)
+        and all(t.dtype == first.dtype and t.device == first.device and not t.requires_grad for t in tensors)
+        and not process_group_active()
+    ):
+        return [float(v) for v in torch.stack(list(tensors)).tolist()]  # sync point
+    device = local(first).device
     # a DTensor flag: this rank's value (combined below); 0-d float32 values on one device as they are
     stacked = torch.stack(
         [

@@ -203,8 +203,8 @@ class StepGuard:
         """Flag (and record) NaN/+Inf in `out` from its max: device tensors only."""
         if not (out.is_floating_point() and out.numel() > 0):
             return
-        with torch.no_grad():
-            top = out.detach().amax()
+        with torch.no_grad():  # no graph: no detach needed
+            top = out.amax()
             bad = (top < math.inf).logical_not_()  # NaN or +Inf (two ops: this runs every forward)
         self.output_bad = bad if self.output_bad is None else self.output_bad | bad
         self.record(OUTPUT_METRIC, bad.float())
