@@ -39,7 +39,9 @@ class InHook:
     sampled_ms: float | None
     unsampled_ms: float | None
     top: dict[str, float] = field(default_factory=dict)
-    """Median ms per unsampled step of each entry point (hook function), largest first."""
+    """Median ms per step of each entry point (hook function), largest first: over the unsampled
+    steps, or the sampled ones when every step is sampled (`top_of`)."""
+    top_of: str = "unsampled"
 
     def text(self, name: str) -> str:
         def ms(x: float | None) -> str:
@@ -48,7 +50,7 @@ class InHook:
         parts = ", ".join(f"{k} {v:.3f}" for k, v in list(self.top.items())[:5])
         return (
             f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step, {ms(self.sampled_ms)} per "
-            f"sampled step (median of {STEPS}); unsampled, by entry point (ms): {parts}"
+            f"sampled step (median of {STEPS}); {self.top_of}, by entry point (ms): {parts or '-'}"
         )
 
 
@@ -124,7 +126,8 @@ def _summary(rows: list[tuple[bool, dict[str, float]]]) -> InHook:
         return 1e3 * statistics.median(totals) if totals else None
 
     quiet = [spent for s, spent in rows if not s]
-    keys = {k for spent in quiet for k in spent}
-    top = {k: 1e3 * statistics.median(spent.get(k, 0.0) for spent in quiet) for k in keys}
+    chosen = quiet or [spent for _, spent in rows]
+    keys = {k for spent in chosen for k in spent}
+    top = {k: 1e3 * statistics.median(spent.get(k, 0.0) for spent in chosen) for k in keys}
     ordered = dict(sorted(top.items(), key=lambda kv: -kv[1]))
-    return InHook(median_ms(True), median_ms(False), ordered)
+    return InHook(median_ms(True), median_ms(False), ordered, "unsampled" if quiet else "sampled")

@@ -150,3 +150,12 @@ def test_bench_cli_small_step_paired_in_hook(tmp_path: Path) -> None:
     data = json.loads(out.read_text())
     assert data["in_hook_ms"]["default"]["unsampled_ms"] > 0
     assert data["config"]["machine"]["threads"] >= 1
+
+
+def test_in_hook_summary_falls_back_to_sampled_steps_when_every_step_is_sampled() -> None:
+    from stabkit.bench.inhook import _summary
+
+    inside = _summary([(True, {"a": 0.002, "b": 0.001}), (True, {"a": 0.004, "b": 0.001})])
+    assert inside.unsampled_ms is None and inside.sampled_ms == pytest.approx(4.0)
+    assert inside.top_of == "sampled" and list(inside.top) == ["a", "b"]
+    assert "sampled, by entry point (ms): a 3.000, b 1.000" in inside.text("full")
