@@ -13,11 +13,24 @@ When it runs: once, after the timed rounds, to fill the table's "+ms" columns an
 from __future__ import annotations
 
 import statistics
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .runner import BenchResult
+
+class Steps(Protocol):
+    """What `added_ms` reads of a variant (`stabkit.bench.runner.VariantResult`)."""
+
+    monitored: bool
+    step_cpu: list[list[float]]
+    step_sampled: list[list[bool]]
+
+
+class Variants(Protocol):
+    """What `added_ms` reads of a bench result (`stabkit.bench.runner.BenchResult`)."""
+
+    @property
+    def variants(self) -> Mapping[str, Steps]: ...
 
 
 @dataclass(frozen=True)
@@ -35,7 +48,7 @@ class Added:
         return f"{self.ms:+.2f}{band}"
 
 
-def added_ms(result: BenchResult, name: str) -> dict[str, Added | None]:
+def added_ms(result: Variants, name: str) -> dict[str, Added | None]:
     """{'sampled': ..., 'unsampled': ...} for variant `name` (None for a kind it never ran, and for
     variants without a monitor: bare, anomaly, qk_clip)."""
     out: dict[str, Added | None] = {"sampled": None, "unsampled": None}
