@@ -71,9 +71,10 @@ def any_flag(flags: list[torch.Tensor]) -> torch.Tensor | None:
     host sync."""
     if not flags:
         return None
-    if len(flags) == 1 and flags[0].dtype == torch.bool and flags[0].dim() == 0:
-        return flags[0]  # one flag is its own "any" (no stack, no op: this runs every step)
     first = flags[0].device
+    if len(flags) <= 2 and all(f.dtype == torch.bool and f.dim() == 0 and f.device == first for f in flags):
+        # this runs every step: one flag is its own "any", two are one `|` (not a stack and an any)
+        return flags[0] if len(flags) == 1 else flags[0] | flags[1]
     return torch.stack([f.to(first) for f in flags]).any()
 
 
