@@ -182,12 +182,21 @@ def host_values(tensors: Sequence[torch.Tensor], reductions: Sequence[str]) -> l
     if not tensors:
         return []
     first = tensors[0]
-    if (  # the common case, every step: one dtype and device, no collective -> one stack, one copy
-        type(first) is torch.Tensor
-        and all(type(t) is torch.Tensor and t.dim() == 0 for t in tensors)
-        and all(t.dtype == first.dtype and t.device == first.device and not t.requires_grad for t in tensors)
-        and not process_group_active()
-    ):
+    # the common case, every step: 0-d values of one dtype and device, no collective -> one stack, one copy
+    plain = type(first) is torch.Tensor and not process_group_active()
+    if plain:
+        dtype, where = first.dtype, first.device
+        for t in tensors:
+            if (
+                type(t) is not torch.Tensor
+                or t.dim()
+                or t.dtype != dtype
+                or t.device != where
+                or t.requires_grad
+            ):
+                plain = False
+                break
+    if plain:
         return [float(v) for v in torch.stack(list(tensors)).tolist()]  # sync point
     device = local(first).device
     # a DTensor flag: this rank's value (combined below); 0-d float32 values on one device as they are
