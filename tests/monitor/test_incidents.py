@@ -119,10 +119,13 @@ def test_an_lr_blowup_is_one_incident_on_the_console_and_every_event_in_the_log(
 
 
 def test_actions_act_on_warnings_and_leave_notes_alone() -> None:
-    """'skip' on spikes: a note (a gradient spike alone) is reported, not skipped, unless act_on='info'."""
+    """A gradient spike alone is a note: reported, not rolled back, unless act_on='info'; then 'skip'
+    skips it. ('skip' on spikes with act_on='warning' could never act, so that config is refused.)"""
 
-    def skipped(act_on: str) -> list[tuple[int, str, bool]]:
-        det = stabkit.DetectConfig(actions={"spike": "skip"}, act_on=act_on)
+    def acted(action: str, act_on: str) -> list[tuple[int, str, bool]]:
+        det = stabkit.DetectConfig(
+            actions={"spike": action}, act_on=act_on, options={"rollback": {"snapshot_every": 5}}
+        )
         torch.manual_seed(0)
         model = EncoderLM(d=32, n_layer=2, vocab=256)
         opt = torch.optim.SGD(model.parameters(), lr=1e-2)
@@ -138,15 +141,17 @@ def test_actions_act_on_warnings_and_leave_notes_alone() -> None:
             opt.zero_grad()
         mon.detach()
         return [
-            (e.step, e.severity, bool(e.details.get("skipped_update")))
+            (e.step, e.severity, bool(e.details.get("skipped_update") or e.details.get("rollback")))
             for e in mon.events
             if e.kind == "spike"
         ]
 
-    notes = skipped("warning")
-    assert notes and all(sev == "info" and not skip for _, sev, skip in notes)
+    notes = acted("rollback", "warning")
+    assert notes and all(sev == "info" and not done for _, sev, done in notes)
     assert any(step == 30 for step, _, _ in notes)
-    acted = skipped("info")
-    assert any(step == 30 and skip for step, _, skip in acted)
+    skipped = acted("skip", "info")
+    assert any(step == 30 and done for step, _, done in skipped)
+    with pytest.raises(ValueError, match="act_on='info'"):
+        stabkit.DetectConfig(actions={"spike": "skip"}, act_on="warning")
     with pytest.raises(ValueError, match="act_on"):
         stabkit.DetectConfig(act_on="loud")
