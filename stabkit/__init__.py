@@ -17,13 +17,14 @@ from .events import Event, InstabilityError
 from .lazy import lazy
 
 if TYPE_CHECKING:
+    from .attaching import attach
     from .attention.kernels import register_kernel
     from .audit import audit
     from .config import MonitorConfig
     from .detectors import DetectConfig
     from .discovery import DiscoveryError, ModelMap, inspect, inspect_model
     from .interventions import z_loss
-    from .monitor import Monitor, attach
+    from .monitor import Monitor
     from .sinks.reader import load_run
 else:
     # `stabkit.audit` names the function, not the subpackage of the same name. Importing a
@@ -44,7 +45,7 @@ _LAZY = {
     "inspect_model": "discovery",
     "z_loss": "interventions",
     "Monitor": "monitor",
-    "attach": "monitor",
+    "attach": "attaching",
     "register_kernel": "attention.kernels",
     "load_run": "sinks.reader",
 }

@@ -88,7 +88,7 @@ def measure_compile(
 def _main(payload: str, variant: str) -> None:
     import torch
 
-    from ..monitor import attach
+    from ..attaching import attach
     from .runner import BenchConfig, _Trainer, dynamo_counts, make_batches, monitor_config
 
     torch.set_num_threads(1)

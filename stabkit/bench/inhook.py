@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from ..monitor import attach
+from ..attaching import attach
 
 if TYPE_CHECKING:
     from ..monitor import Monitor

@@ -155,7 +155,7 @@ def _warm_up(cfg: Any, tmp: str) -> None:
     """Train a throwaway copy of the measured model for two steps under the full-detail monitor, in
     every variant, so the libraries' one-time costs (imports, kernels' first use at these shapes)
     are the same everywhere and only the memory the monitoring keeps or adds during training differs."""
-    from ..monitor import attach
+    from ..attaching import attach
     from .runner import BenchConfig, _Trainer, make_batches, monitor_config
 
     throwaway = _Trainer(BenchConfig(**{**vars(cfg), "seed": cfg.seed + 1}), make_batches(cfg, n=2))
@@ -167,7 +167,7 @@ def _warm_up(cfg: Any, tmp: str) -> None:
 
 
 def _main(payload: str, variant: str) -> None:
-    from ..monitor import attach
+    from ..attaching import attach
     from .interventions import apply_variant
     from .runner import BenchConfig, _Trainer, make_batches, monitor_config
 

@@ -30,10 +30,11 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from ..attaching import attach
 from ..config import MonitorConfig
 from ..harness.data import load_corpus
 from ..harness.models import GPT, GPTConfig
-from ..monitor import Monitor, attach
+from ..monitor import Monitor
 from .fixed_cost import added_ms
 from .interventions import INTERVENTION_VARIANTS, apply_variant
 from .machine import describe

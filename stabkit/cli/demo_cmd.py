@@ -21,11 +21,11 @@ def demo(size: str, steps: int, lr: float, logdir: str, data: str | None, seed: 
     """Train the reference GPT for a few hundred steps with stabkit attached; open TensorBoard on LOGDIR."""
     import torch
 
+    from ..attaching import attach
     from ..config import MonitorConfig
     from ..harness.data import load_corpus
     from ..harness.models import GPT, PRESET_BATCH, preset_config
     from ..harness.training import Callbacks, TrainConfig, TrainRun, evaluate, train
-    from ..monitor import attach
 
     folder = writable_dir(logdir, "--logdir")
     torch.set_num_threads(1)

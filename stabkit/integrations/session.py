@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..monitor import Monitor, attach
+from ..attaching import attach
+from ..monitor import Monitor
 
 
 def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:

@@ -32,11 +32,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from ...attaching import attach
 from ...config import MonitorConfig
 from ...distributed import DistContext
 from ...events import InstabilityError
 from ...interventions import Handle
-from ...monitor import Monitor, attach
+from ...monitor import Monitor
 from ..data import load_corpus
 from ..models import GPT, GPTConfig
 from ..training import Callbacks, Heldout, TrainConfig, TrainRun, evaluate, train
