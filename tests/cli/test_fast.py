@@ -125,7 +125,7 @@ def test_public_names_and_subpackages_resolve() -> None:
 
     for name in stabkit.__all__:
         assert getattr(stabkit, name) is not None, name
-    assert stabkit.attach is importlib.import_module("stabkit.monitor").attach
+    assert stabkit.attach is importlib.import_module("stabkit.attaching").attach
     assert stabkit.Monitor is importlib.import_module("stabkit.monitor").Monitor
     assert stabkit.audit is importlib.import_module("stabkit.audit.core").audit
     assert stabkit.interventions.apply is importlib.import_module("stabkit.interventions.registry").apply
