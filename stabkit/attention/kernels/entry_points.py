@@ -102,21 +102,21 @@ def _unpatch_all() -> None:
         for owner, attr in patched.places:
             if getattr(owner, attr, None) is patched.wrapper:
                 setattr(owner, attr, patched.original)
+        for module in list(sys.modules.values()):  # copies imported while the wrapper was in place
+            space = getattr(module, "__dict__", None)
+            if isinstance(space, dict):
+                for name, item in list(space.items()):
+                    if item is patched.wrapper:
+                        setattr(module, name, patched.original)
         forget_wrapper(patched.wrapper)
     _PATCHED.clear()
 
 
 class EntryPoints:
-    """A hold on the installed wrappers; `remove` releases it (safe twice; a context manager). A hold
-    dropped without `remove` (an intervention handle collected with its model) is released when it is
-    garbage-collected."""
+    """A hold on the installed wrappers; `remove` releases it (safe twice; a context manager)."""
 
     def __init__(self) -> None:
         self._held = True
-
-    def __del__(self) -> None:
-        if getattr(self, "_held", False) and sys is not None and not sys.is_finalizing():
-            self.remove()
 
     def remove(self) -> None:
         if self._held:
