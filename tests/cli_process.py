@@ -9,6 +9,7 @@ on ``PYTHONPATH`` (torchrun's ranks import the same stabkit) and one OpenMP thre
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -21,6 +22,14 @@ TESTS = ROOT / "tests"
 
 BOOT = "import sys; sys.argv[0] = 'stabkit'; from stabkit.cli import main; main()"
 """What the installed ``stabkit`` script runs (``python -c BOOT ARGS`` prints usage as ``stabkit``)."""
+
+
+def interruptible() -> None:
+    """`preexec_fn` of a child that a test interrupts: SIGINT back to its default (Python's
+    KeyboardInterrupt). A shell without job control starts background jobs with SIGINT ignored and
+    children inherit that (CI launched as ``bash .ci/run &``): without this, Ctrl-C tests would hang
+    for reasons that have nothing to do with stabkit."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def child_env(*, tests: bool = False, **extra: str) -> dict[str, str]:
@@ -65,6 +74,7 @@ class StabkitCLI:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
+            preexec_fn=interruptible,
         )
 
 

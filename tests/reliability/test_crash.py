@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from cli_process import interruptible
+
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 WORKER = str(Path(__file__).parents[1] / "crash_worker.py")
@@ -28,6 +30,7 @@ def test_signal_mid_run_leaves_logs_up_to_the_last_finished_step(sig: signal.Sig
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=interruptible,
     )
     assert proc.stdout is not None
     last = -1
