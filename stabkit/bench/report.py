@@ -28,6 +28,9 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
     shape = "" if cfg.get("d_model") is None else f" d_model={cfg['d_model']}"
     if cfg.get("seq_len") is not None or cfg.get("batch_size") is not None or cfg.get("d_model") is not None:
         shape += f" seq_len={cfg.get('seq_len') or 'preset'} batch={cfg.get('batch')}"
+    if cfg.get("model"):
+        options = ", ".join(f"{k}={v!r}" for k, v in sorted((cfg.get("model_options") or {}).items()))
+        shape = f" model={cfg['model']}{f' ({options})' if options else ''}" + shape
     compiled = bool(cfg.get("compile"))
     budget = dict(COMPILED_BUDGET if compiled else BUDGET)
     if not compiled and _width(cfg) < FULL_BUDGET_MIN_WIDTH:

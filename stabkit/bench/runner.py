@@ -33,7 +33,9 @@ import torch.nn.functional as F
 from ..attaching import attach
 from ..config import MonitorConfig
 from ..harness.data import load_corpus
-from ..harness.models import GPT, GPTConfig
+from ..harness.models import GPTConfig
+from ..harness.models.build import build
+from ..harness.models.spec import parse_model_spec
 from ..monitor import Monitor
 from .fixed_cost import added_ms
 from .interventions import INTERVENTION_VARIANTS, apply_variant
@@ -91,12 +93,19 @@ class BenchConfig:
     """Quick mode (`QUICK`): the table says its noise band is wider and memory was not measured."""
     compile: bool = False
     """Every variant trains ``torch.compile(model)``; graphs, breaks, recompiles and compile time reported."""
+    model: str | None = None
+    """A model spec (`stabkit.harness.models.spec`: ``hf:llama``, ``my_pkg:build``) built at `size`'s
+    shape instead of the reference GPT, so the overhead is measured on the user's architecture."""
+    model_options: dict[str, Any] = field(default_factory=dict)
+    """Config fields / factory arguments of `model` (``--model-option``)."""
     paired: bool = False
     """Variants take turns step by step (slices of one step) instead of slices of `SLICE_STEPS`: a
     monitored step and a bare one run next to each other, so even a short slow spell of the machine
     hits both members of each pair (the per-step A/B of the cost guide)."""
 
     def __post_init__(self) -> None:
+        if self.model is not None:
+            parse_model_spec(self.model, self.model_options)  # a bad spec fails here, in one line
         if self.size not in bench_sizes():
             raise ValueError(f"bench: unknown size {self.size!r}; choose one of {list(bench_sizes())}")
         if self.steps < 1 or self.repeats < 1 or self.warmup < 0:
@@ -268,7 +277,8 @@ class _Trainer:
         torch.manual_seed(cfg.seed)
         mcfg = model_config(cfg)
         self.device = torch.device(cfg.device)
-        self.model = GPT(mcfg).to(self.device)
+        spec = parse_model_spec(cfg.model, cfg.model_options) if cfg.model else None
+        self.model = build(spec, mcfg).to(self.device)
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
         self.batches = [(x.to(self.device), y.to(self.device)) for x, y in batches]
         self.bf16 = cfg.bf16

@@ -13,6 +13,7 @@ import click
 
 from .app import main
 from .progress import Phase, duration
+from .run_cmd import model_spec
 
 VARIANT_NAMES = ("bare", "default", "full", "anomaly")
 """`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
@@ -102,6 +103,20 @@ bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them eq
 @click.option(
     "--json", "json_path", default=None, type=click.Path(dir_okay=False), help="Write results here."
 )
+@click.option(
+    "--model",
+    default=None,
+    metavar="SPEC",
+    help="Measure on this model instead of the reference GPT: hf:<model_type> or module:callable, built "
+    "at --size's shape (a preset name is the same as --size).",
+)
+@click.option(
+    "--model-option",
+    "model_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A config field or factory argument; repeatable.",
+)
 def bench(
     device: str,
     size: str,
@@ -118,6 +133,8 @@ def bench(
     compiled: bool,
     quick: bool,
     json_path: str | None,
+    model: str | None,
+    model_option: tuple[str, ...],
 ) -> None:
     """Time a bare loop against stabkit's default and full-detail monitoring and detect_anomaly
     (with --compile: all under torch.compile)."""
@@ -129,6 +146,9 @@ def bench(
     from ..bench.runner import total_steps
 
     startup = time.perf_counter() - loading
+    spec = model_spec(model, model_option)
+    if spec is not None and spec.is_reference:
+        size, spec = spec.target, None
     if device == "cpu":
         torch.set_num_threads(1)
     cfg = BenchConfig(
@@ -145,6 +165,8 @@ def bench(
         quick=quick,
         compile=compiled,
         paired=paired,
+        model=spec.text if spec is not None else None,
+        model_options=dict(spec.options) if spec is not None else {},
     )
     label = f"timing {cfg.repeats} rounds x {len(cfg.variants)} variants"
     with Phase(label, total_steps(cfg), unit="steps") as phase:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import click
 
+from ..harness.models.presets import PRESETS
 from .app import main
 
 
@@ -11,9 +12,28 @@ from .app import main
 @click.argument("spec")
 @click.option("--audit", "with_audit", is_flag=True, help="Also list the stability and memory risks.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON for scripts.")
-def inspect_command(spec: str, with_audit: bool, as_json: bool) -> None:
-    """Show where the roles sit in SPEC: a reference preset (tiny, small, gpt2, 1b) or hf:gpt2, hf:llama,
-    hf:mistral, hf:qwen2 built from the config defaults on the meta device (no download)."""
+@click.option(
+    "--size",
+    type=click.Choice(list(PRESETS)),
+    default=None,
+    help="Build an hf: or module:callable model at this preset's size (default: an hf: model's config "
+    "defaults, a factory at tiny).",
+)
+@click.option(
+    "--model-option",
+    "model_option",
+    multiple=True,
+    metavar="KEY=VALUE",
+    help="A config field or factory argument; repeatable.",
+)
+def inspect_command(
+    spec: str, with_audit: bool, as_json: bool, size: str | None, model_option: tuple[str, ...]
+) -> None:
+    """Show where the roles sit in SPEC: a reference preset (tiny, small, gpt2, 1b), hf:<model_type> (any
+    causal LM of the installed transformers, from its config class on the meta device, no download) or
+    module:callable (your factory, file.py:callable works too)."""
+    from ..harness.models.spec import parse_options
     from .inspect_spec import run_inspect_cli
 
-    click.echo(run_inspect_cli(spec, audit=with_audit, as_json=as_json))
+    options = parse_options(model_option)
+    click.echo(run_inspect_cli(spec, audit=with_audit, as_json=as_json, size=size, options=options))

@@ -1,8 +1,10 @@
 """`stabkit inspect SPEC`: build a model from a spec string (no download, ever) and render its map/audit.
 
-Specs: a reference preset (`tiny`, `small`, `gpt2`, `1b`) or `hf:<name>` for a Hugging Face
-architecture built from its config class defaults. Models are built on the meta device by default
-(shapes and dtypes, no memory, no values), so even a 7B config builds in well under a second.
+Specs: the one model spec of every command (`stabkit.harness.models.spec`): a reference preset
+(`tiny`, `small`, `gpt2`, `1b`), `hf:<model_type>` for any Hugging Face causal LM built from its config
+class defaults (or at a preset size with ``--size``), `module:callable` for a user's factory. Large
+models are built on the meta device (shapes and dtypes, no memory, no values), so even a 7B config
+builds in well under a second; small ones (tiny, small, a factory at tiny size) on the CPU.
 
 CLI glue, so it lives here and not in `stabkit.audit`: building a reference preset needs the
 harness, which the library never imports (``tests/harness/test_one_way.py``).
@@ -11,7 +13,6 @@ harness, which the library never imports (``tests/harness/test_one_way.py``).
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,65 +21,58 @@ from torch import nn
 from ..audit.core import audit as run_audit
 from ..discovery import inspect_model
 from ..harness.models import GPT, PRESETS, preset_config
+from ..harness.models.build import build
+from ..harness.models.hf_build import config_class
+from ..harness.models.spec import ModelSpecError, parse_model_spec
 
 
-def _hf(config_class: str) -> Callable[[], object]:
-    def make() -> object:
-        try:
-            import transformers
-        except ImportError as exc:  # pragma: no cover - depends on the environment
-            raise ValueError(
-                f"model spec needs Hugging Face transformers: pip install 'stabkit[hf]' ({exc})"
-            ) from exc
-        return getattr(transformers, config_class)()
+def build_from_spec(
+    spec: str,
+    device: str | torch.device = "meta",
+    size: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Build the model named by `spec` (`stabkit.harness.models.spec`) on `device` (default meta: no
+    memory, no values): a preset at its size; ``hf:<type>`` at its config class's defaults (the real
+    architecture's shape), or at the preset `size` when given; ``module:callable`` called with the
+    preset `size`'s arguments (default tiny). `options` go over the config fields / factory arguments.
 
-    return make
-
-
-HF_SPECS: dict[str, Callable[[], object]] = {
-    "gpt2": _hf("GPT2Config"),
-    "llama": _hf("LlamaConfig"),
-    "mistral": _hf("MistralConfig"),
-    "qwen2": _hf("Qwen2Config"),
-}
-"""`hf:<name>` -> a config factory (the config class's defaults)."""
-
-
-def spec_names() -> list[str]:
-    """Every spec `build_from_spec` accepts."""
-    return [*PRESETS, *(f"hf:{n}" for n in HF_SPECS)]
-
-
-def build_from_spec(spec: str, device: str | torch.device = "meta") -> nn.Module:
-    """Build the model named by `spec` on `device` (default meta: no memory, no values).
-
-    Raises ValueError("unknown model spec ...; use one of ...") on a bad spec.
+    Raises ModelSpecError (a ValueError, one line) on a bad spec.
     """
-    name = spec.strip()
-    if name in PRESETS:
-        with torch.device(device):
-            return GPT(preset_config(name))
-    if name.startswith("hf:") and name[3:] in HF_SPECS:
-        config = HF_SPECS[name[3:]]()
-        from transformers import AutoModelForCausalLM
+    parsed = parse_model_spec(spec, options)
+    with torch.device(device):
+        if parsed.kind == "preset":
+            return GPT(preset_config(parsed.target))
+        if parsed.kind == "hf" and size is None:
+            return build_hf_defaults(parsed.target, parsed.options)
+        return build(parsed, preset_config(size or "tiny"))
 
-        with torch.device(device):
-            model: nn.Module = AutoModelForCausalLM.from_config(config)
-        return model
-    raise ValueError(f"unknown model spec {spec!r}; use one of {', '.join(spec_names())}")
+
+def build_hf_defaults(model_type: str, options: dict[str, Any]) -> nn.Module:
+    """``hf:<type>`` at its config class's defaults (`options` over them)."""
+    from transformers import AutoModelForCausalLM
+
+    cls = config_class(model_type)
+    try:
+        config = cls(**options)
+    except (TypeError, ValueError) as exc:
+        raise ModelSpecError(f"hf:{model_type}: {' '.join(str(exc).split())}") from None
+    model: nn.Module = AutoModelForCausalLM.from_config(config)
+    return model
 
 
 CPU_PARAMS = 10_000_000
 """Reference presets with fewer block parameters than this are built on the CPU by `run_inspect_cli`."""
 
 
-def inspect_device(spec: str) -> str:
+def inspect_device(spec: str, size: str | None = None) -> str:
     """Where `run_inspect_cli` builds SPEC: small reference presets (tiny, small) on the CPU, where
     building and tracing them takes milliseconds (the first op on the meta device imports
     torch._dynamo, ~2 s of CPU), everything else on the meta device (no memory)."""
     name = spec.strip()
-    if name in PRESETS:
-        cfg = preset_config(name)
+    preset = name if name in PRESETS else size if not name.startswith("hf:") or size else None
+    if preset is not None or (name.count(":") == 1 and not name.startswith("hf:")):
+        cfg = preset_config(preset or "tiny")
         if 12 * cfg.n_layers * cfg.d_model**2 < CPU_PARAMS:
             return "cpu"
     return "meta"
@@ -90,14 +84,16 @@ def run_inspect_cli(
     as_json: bool = False,
     seq_len: int | None = None,
     device: str | None = None,
+    size: str | None = None,
+    options: dict[str, Any] | None = None,
 ) -> str:
     """The text `stabkit inspect [--audit] [--json] SPEC` prints: the ModelMap, plus the audit, or JSON.
 
     Runs once per CLI call; builds the model on `device` (default: `inspect_device(spec)`). Raises
     ValueError for a bad spec (the CLI should print it as one line, exit 2).
     """
-    device = device or inspect_device(spec)
-    model = build_from_spec(spec, device)
+    device = device or inspect_device(spec, size)
+    model = build_from_spec(spec, device, size, options)
     mmap = inspect_model(model)
     report = run_audit(model, model_map=mmap, seq_len=seq_len) if audit else None
     if as_json:

@@ -9,13 +9,13 @@ import click
 
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
-from .run_cmd import resolve_device, resolve_jobs, with_options
+from .run_cmd import model_spec, resolve_device, resolve_jobs, with_options
 
 
 @main.command(name="lead-time")
 @click.argument("recipes", nargs=-1)
 @click.option("--seeds", type=click.IntRange(1, 1000), default=3, show_default=True, help="Seeds 0..N-1.")
-@with_options("size", "device", "steps", "jobs", "data")
+@with_options("model", "model_option", "size", "device", "steps", "jobs", "data")
 @click.option(
     "--out",
     type=click.Path(file_okay=False),
@@ -25,6 +25,8 @@ from .run_cmd import resolve_device, resolve_jobs, with_options
 def lead_time_command(
     recipes: tuple[str, ...],
     seeds: int,
+    model: str | None,
+    model_option: tuple[str, ...],
     size: str | None,
     device: str,
     steps: int | None,
@@ -43,13 +45,24 @@ def lead_time_command(
     import torch
 
     from ..harness.recipes import list_recipe_files, preflight
+    from ..harness.recipes.arch import RecipeNotApplicable
     from ..harness.recipes.leadtime import format_table
     from ..harness.recipes.seeds import TABLE_JSON, run_label, run_seeds, seed_recipe
 
     names = list(recipes) or [p.stem for p in list_recipe_files()]
-    loaded = [seed_recipe(name, size, 0, steps, data) for name in names]
+    spec = model_spec(model, model_option)
+    loaded = []
+    for name in names:
+        try:
+            recipe = seed_recipe(name, size, 0, steps, data, spec)
+            preflight(recipe)
+        except RecipeNotApplicable as exc:
+            click.echo(f"skipped: {' '.join(str(exc).split())}")
+            continue
+        loaded.append(recipe)
+    if not loaded:
+        raise UserInputError(f"no recipe of {', '.join(names)} applies to {model}")
     for recipe in loaded:
-        preflight(recipe)
         if not any(v.role == "baseline" for v in recipe.variants):
             raise UserInputError(f"recipe {recipe.name!r} has no baseline variant: nothing to time")
     dev = resolve_device(device)
@@ -71,6 +84,7 @@ def lead_time_command(
             size=size,
             steps=steps,
             data=data,
+            model=spec,
             device=dev,
             workers=workers,
             on_progress=bars.update,

@@ -22,6 +22,7 @@ from .progress import MultiProgress
 
 if TYPE_CHECKING:
     from ..harness.launch import Relaunched
+    from ..harness.models.spec import ModelSpec
     from ..harness.recipes.summary import Summary
 
 
@@ -44,11 +45,30 @@ def resolve_jobs(jobs: int | None, device: str) -> int:
 
 
 SHARED_OPTIONS = {
+    "model": click.option(
+        "--model",
+        "model",
+        default=None,
+        metavar="SPEC",
+        help="The model to stress: a preset (tiny, small, gpt2, 1b: the reference GPT), hf:<model_type> "
+        "(any causal LM of the installed transformers, built from its config at the recipe's size, no "
+        "download) or module:callable (your factory; file.py:callable works too). Default: the "
+        "recipe's [model], else the reference GPT.",
+    ),
+    "model_option": click.option(
+        "--model-option",
+        "model_option",
+        multiple=True,
+        metavar="KEY=VALUE",
+        help="A config field of an hf: model (num_local_experts=4) or a keyword argument of your "
+        "factory; repeatable.",
+    ),
     "size": click.option(
         "--size",
         type=click.Choice(list(PRESETS)),
         default=None,
-        help="Model size preset (default: the recipe's, else tiny).",
+        help="Model size preset (default: the recipe's, else tiny); with --model hf:/module: the "
+        "size that model is built at.",
     ),
     "device": click.option(
         "--device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True
@@ -96,6 +116,23 @@ shared_options = with_options(*SHARED_OPTIONS)
 """Options `run` and `sweep` share: all of them."""
 
 
+def model_spec(model: str | None, options: tuple[str, ...]) -> ModelSpec | None:
+    """--model and --model-option as a ModelSpec (None without --model); bad input exits 2."""
+    from ..harness.models.spec import parse_model_spec, parse_options
+
+    if model is None:
+        if options:
+            raise UserInputError("--model-option needs --model (an hf:<model_type> or module:callable spec)")
+        return None
+    return parse_model_spec(model, parse_options(options))
+
+
+def not_applicable(exc: Exception) -> None:
+    """A recipe whose trigger this model cannot take: one line, exit 0 (nothing failed, nothing ran)."""
+    click.echo(f"skipped: {' '.join(str(exc).split())}")
+    sys.exit(0)
+
+
 def steps_note(steps: int, original: int) -> str:
     """`shortened run (20 of 300 steps)` or `lengthened run (600 steps; the recipe has 300)`."""
     if steps < original:
@@ -113,8 +150,9 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None, d
         if ddp > 1
         else f"{jobs} process(es)"
     )
+    model = f"{recipe.arch.describe()} at {recipe.size}" if recipe.arch is not None else recipe.size
     lines = [
-        f"{recipe.name} [{recipe.size}, {device}, seed {recipe.train.seed}, {recipe.train.steps} steps, {procs}]"
+        f"{recipe.name} [{model}, {device}, seed {recipe.train.seed}, {recipe.train.steps} steps, {procs}]"
     ]
     if recipe.description:
         lines.append(f"  {recipe.description}")
@@ -127,6 +165,9 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None, d
     if original_steps is not None and original_steps != recipe.train.steps:
         lines.append(f"  {steps_note(recipe.train.steps, original_steps)}: verdicts are about this run only")
     lines.append("  variants: " + ", ".join(f"{v.name} ({v.role})" for v in recipe.variants))
+    if recipe.adaptation is not None:
+        lines += [f"  skipped {name}: {why}" for name, why in recipe.adaptation.skipped.items()]
+        lines += [f"  note: {note}" for note in recipe.adaptation.notes]
     return "\n".join(lines)
 
 
@@ -148,6 +189,8 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None, d
 )
 def run_command(
     recipe: str,
+    model: str | None,
+    model_option: tuple[str, ...],
     size: str | None,
     device: str,
     steps: int | None,
@@ -167,6 +210,7 @@ def run_command(
     from ..distributed import launched_by_torchrun
     from ..harness.launch import relaunch
     from ..harness.recipes import load_recipe, preflight, run_recipe
+    from ..harness.recipes.arch import RecipeNotApplicable
     from ..harness.recipes.ddp import check_split
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
@@ -178,9 +222,13 @@ def run_command(
             f"--nproc {procs} trains each variant on {procs} processes, one variant after another; "
             f"it cannot be combined with --jobs {jobs} (drop --jobs)"
         )
-    loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)
-    original = load_recipe(recipe, size).train.steps if steps is not None else None
-    preflight(loaded)
+    spec = model_spec(model, model_option)
+    try:
+        loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data, model=spec)
+        preflight(loaded)
+    except RecipeNotApplicable as exc:
+        not_applicable(exc)
+    original = load_recipe(recipe, loaded.size).train.steps if steps is not None else None
     dev = resolve_device(device)
     out_dir = writable_dir(out or Path("runs") / loaded.name, "--out")
     if procs > 1:
@@ -190,8 +238,12 @@ def run_command(
         if dev == "cuda" and procs > torch.cuda.device_count():
             raise UserInputError(f"--nproc {procs}: only {torch.cuda.device_count()} CUDA device(s) here")
         args = ["run", recipe, "--device", dev, "--out", str(out_dir)]
-        for flag, value in (("--size", size), ("--steps", steps), ("--seed", seed), ("--data", data)):
+        for flag, value in (
+            ("--size", size), ("--steps", steps), ("--seed", seed), ("--data", data), ("--model", model)
+        ):  # fmt: skip
             args += [flag, str(value)] if value is not None else []
+        for item in model_option:
+            args += ["--model-option", item]
         sys.exit(relaunched_exit_code(relaunch(procs, args, out_dir)))
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":
@@ -260,6 +312,8 @@ def print_results(summary: Summary, out_dir: Path) -> None:
     click.echo("")
     for note in notes:
         click.echo(f"note: {note}")
+    for name, why in ((summary.arch or {}).get("skipped") or {}).items():
+        click.echo(f"skipped {name}: {why}")
     click.echo(footer(summary))
     click.echo(
         f"took {summary.seconds or 0:.0f} s; summary: {out_dir / 'summary.json'}; view: tensorboard --logdir {out_dir}"

@@ -9,7 +9,15 @@ import click
 
 from .app import UserInputError, main, writable_dir
 from .progress import MultiProgress
-from .run_cmd import exit_code, header, resolve_device, resolve_jobs, shared_options
+from .run_cmd import (
+    exit_code,
+    header,
+    model_spec,
+    not_applicable,
+    resolve_device,
+    resolve_jobs,
+    shared_options,
+)
 
 
 def parse_lrs(text: str | None) -> list[float] | None:
@@ -39,6 +47,8 @@ def parse_lrs(text: str | None) -> list[float] | None:
 def sweep_command(
     recipe: str,
     lrs: str | None,
+    model: str | None,
+    model_option: tuple[str, ...],
     size: str | None,
     device: str,
     steps: int | None,
@@ -56,13 +66,18 @@ def sweep_command(
     import torch
 
     from ..harness.recipes import load_recipe, preflight, run_sweep
+    from ..harness.recipes.arch import RecipeNotApplicable
     from ..harness.recipes.report import sweep_tables, verdict_lines
     from ..harness.recipes.sweep import SWEPT
 
     grid = parse_lrs(lrs)
-    loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data)
-    original = load_recipe(recipe, size).train.steps if steps is not None else None
-    preflight(loaded)
+    spec = model_spec(model, model_option)
+    try:
+        loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data, model=spec)
+        preflight(loaded)
+    except RecipeNotApplicable as exc:
+        not_applicable(exc)
+    original = load_recipe(recipe, loaded.size).train.steps if steps is not None else None
     dev = resolve_device(device)
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":

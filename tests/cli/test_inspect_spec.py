@@ -8,12 +8,13 @@ import time
 
 import pytest
 
-from stabkit.cli.inspect_spec import build_from_spec, inspect_device, run_inspect_cli, spec_names
+from stabkit.cli.inspect_spec import build_from_spec, inspect_device, run_inspect_cli
 
 
-def test_spec_names_are_the_presets_and_the_hf_configs() -> None:
-    assert spec_names() == ["tiny", "small", "gpt2", "1b", "hf:gpt2", "hf:llama", "hf:mistral", "hf:qwen2"]
+def test_inspect_device_cpu_for_small_models_meta_for_large() -> None:
     assert inspect_device("tiny") == "cpu" and inspect_device("hf:gpt2") == "meta"
+    assert inspect_device("hf:gpt2", size="tiny") == "cpu" and inspect_device("hf:gpt2", size="1b") == "meta"
+    assert inspect_device("my_pkg.models:build") == "cpu"  # a factory at tiny size
 
 
 def test_build_from_spec_presets_and_hf_on_meta() -> None:
@@ -22,9 +23,18 @@ def test_build_from_spec_presets_and_hf_on_meta() -> None:
     assert all(p.is_meta for p in tiny.parameters())
     llama = build_from_spec("hf:llama")
     assert type(llama).__name__ == "LlamaForCausalLM" and all(p.is_meta for p in llama.parameters())
-    for bad in ("nope", "hf:nope", ""):
-        with pytest.raises(ValueError, match="use one of"):
+    for bad, needle in (
+        ("nope", "unknown model spec"),
+        ("hf:nope", "is not known"),
+        ("", "empty model spec"),
+    ):
+        with pytest.raises(ValueError, match=needle):
             build_from_spec(bad)
+    # any causal LM transformers knows, not only four; at a preset's size when asked
+    mixtral = build_from_spec("hf:mixtral", size="tiny", device="cpu")
+    inner = mixtral.model  # the TokensToLogits adapter's wrapped model
+    assert type(inner).__name__ == "MixtralForCausalLM" and inner.config.hidden_size == 64
+    assert inner.config.num_hidden_layers == 2 and inner.config.vocab_size == 256
 
 
 def test_run_inspect_cli_hf_llama() -> None:

@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from cli_process import interruptible
 
 from stabkit.sinks import LOG_NAME, read_jsonl

@@ -7,6 +7,7 @@ sees the fault again (which is what lets it localize the module).
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import torch
@@ -28,6 +29,33 @@ class StepClock:
         return fault.step <= self.step < fault.step + fault.length
 
 
+GPT_FAULT_PATH = re.compile(r"^blocks\.(\d+)\.(mlp|attn)(?:\.\w+)*$")
+"""A reference-GPT module path a recipe's [fault] names: ``blocks.<i>.mlp.fc``, ``blocks.<i>.attn...``."""
+
+
+def fault_module(model: nn.Module, path: str) -> str:
+    """`path` when `model` has that module; else, for a reference-GPT path (``blocks.1.mlp.fc``) on
+    another model, the same place found by discovery: block i's MLP (or attention), its first Linear
+    (the block index clamped to the model's depth). Runs once per variant, when the fault is injected.
+    Otherwise `path` unchanged (`inject_output_fault` then names the modules that exist)."""
+    names = {n for n, _ in model.named_modules()}
+    match = GPT_FAULT_PATH.match(path)
+    if path in names or match is None:
+        return path
+    from ...discovery import inspect_model
+
+    blocks = inspect_model(model).blocks
+    if not blocks:
+        return path
+    block = blocks[min(int(match.group(1)), len(blocks) - 1)]
+    role = block.mlp if match.group(2) == "mlp" else (block.attention.path if block.attention else None)
+    if role is None:
+        return path
+    sub = model.get_submodule(role)
+    first = next((f"{role}.{n}" for n, m in sub.named_modules() if n and isinstance(m, nn.Linear)), role)
+    return first
+
+
 def inject_output_fault(model: nn.Module, fault: FaultSpec, clock: StepClock) -> RemovableHandle:
     """Forward hook that writes one NaN (or Inf) into `fault.module`'s output on the fault's steps
     (training-mode forwards only). Raises KeyError naming the modules when the path does not exist."""
@@ -41,11 +69,12 @@ def inject_output_fault(model: nn.Module, fault: FaultSpec, clock: StepClock) ->
     bad = float("nan") if fault.kind == "nan" else float("inf")
 
     def hook(mod: nn.Module, args: Any, output: Any) -> Any:
-        if not (mod.training and isinstance(output, torch.Tensor) and clock.active(fault)):
+        first = output[0] if isinstance(output, tuple) and output else output  # (hidden, router logits)
+        if not (mod.training and isinstance(first, torch.Tensor) and clock.active(fault)):
             return None
-        out = output.clone()
+        out = first.clone()
         out.view(-1)[0] = bad  # one element of (B, T, d) is enough to poison the step
-        return out
+        return (out, *output[1:]) if isinstance(output, tuple) else out
 
     return module.register_forward_hook(hook)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..models.presets import PRESETS
+from ..models.spec import ModelSpec, ModelSpecError
 from .errors import RecipeError
 from .fields import deep_merge, table
 
@@ -132,14 +133,23 @@ def load_recipe(
     steps: int | None = None,
     seed: int | None = None,
     data: str | None = None,
+    model: ModelSpec | None = None,
 ) -> Recipe:
-    """Load and validate a recipe for `size`; `steps`, `seed` and `data` override the file's values.
+    """Load and validate a recipe for `size`; `steps`, `seed`, `data` and `model` override the file's
+    values.
 
     With `steps` shorter than the recipe's, a [fault] step is scaled by the same factor (so a
-    shortened run still meets its fault) and warmup is capped at a fifth of the run.
+    shortened run still meets its fault) and warmup is capped at a fifth of the run. With a `model`
+    (or a ``[model] spec``) other than a preset, the recipe is fitted to that model
+    (`stabkit.harness.recipes.arch.adapt`: RecipeNotApplicable when its trigger cannot be set up).
+    A preset `model` is the reference GPT at that size (the same as `size`).
     """
     from .recipe import parse_recipe
 
+    if model is not None and model.is_reference:
+        if size is not None and size != model.target:
+            raise ModelSpecError(f"--model {model.target} and --size {size} disagree: give one")
+        size, model = model.target, None
     path = find_recipe(spec)
     source = str(path)
     try:
@@ -166,6 +176,12 @@ def load_recipe(
         raise RecipeError(
             "fault.step", f"must be below train.steps = {recipe.train.steps}, got {recipe.fault.step}", source
         )
+    arch = model or recipe.arch
+    recipe.arch = None if arch is None or arch.is_reference else arch
+    if recipe.arch is not None:
+        from .arch import adapt, placement_of
+
+        recipe.adaptation = adapt(recipe, recipe.arch, placement_of(recipe.arch, recipe.model))
     return recipe
 
 

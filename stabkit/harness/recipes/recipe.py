@@ -13,7 +13,9 @@ from ...config import MonitorConfig
 from ...detect_config import DetectConfig
 from ..data.synthetic import SyntheticSpec
 from ..models import PRESETS, GPTConfig
+from ..models.spec import ModelSpec, ModelSpecError, parse_model_spec
 from ..training import TrainConfig
+from .arch import Adaptation
 from .checks import Check, parse_checks
 from .errors import RecipeError
 from .fields import boolean, choice, string, table
@@ -119,6 +121,11 @@ class Recipe:
     """Per size: ``expect`` (what this size shows) and ``note``, for listings."""
     source: str = ""
     """File the recipe came from."""
+    arch: ModelSpec | None = None
+    """The model trained: None (or a preset) for the reference GPT, else a user's (``--model hf:llama``,
+    ``[model] spec``) shaped by `model`'s size fields (`stabkit.harness.recipes.arch`)."""
+    adaptation: Adaptation | None = None
+    """On a user's model: the variants skipped and the switches it keeps its own way (`arch.adapt`)."""
 
     @property
     def baseline(self) -> VariantSpec:
@@ -239,13 +246,36 @@ def parse_variant_model(raw: Any, where: str, base: GPTConfig) -> GPTConfig | No
     return parse_model_over(raw, where, base)
 
 
+ARCH_KEYS = ("spec", "options")
+"""[model] keys naming the model to train instead of the reference GPT (``spec = "hf:llama"``, an
+``[model.options]`` table), as ``--model`` / ``--model-option`` do."""
+
+
+def parse_arch(raw: Any) -> ModelSpec | None:
+    """The ``spec`` and ``options`` of a [model] table (removed from `raw`, a dict), or None."""
+    if not isinstance(raw, dict) or "spec" not in raw:
+        if isinstance(raw, dict) and "options" in raw:
+            raise RecipeError("model.options", 'needs a model spec: set [model] spec = "hf:..."')
+        return None
+    text = string(raw.pop("spec"), "model.spec")
+    options = raw.pop("options", {})
+    if not isinstance(options, dict):
+        raise RecipeError("model.options", "must be a table of config fields or factory arguments")
+    try:
+        return parse_model_spec(text, options)
+    except ModelSpecError as exc:
+        raise RecipeError("model.spec", str(exc)) from None
+
+
 def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") -> Recipe:
     """A Recipe from a TOML document whose ``[sizes.<size>]`` table is already merged in."""
     t = table(doc, "", TOP_KEYS)
     size = choice(size, "size", tuple(PRESETS))
     train = parse_train(t.get("train"), "train", base=train_defaults(size))
     detect = parse_detect(t.get("detect"), "detect")
-    model = parse_model(t.get("model"), size)
+    raw_model = dict(t.get("model") or {}) if isinstance(t.get("model"), dict) else t.get("model")
+    arch = parse_arch(raw_model)
+    model = parse_model(raw_model, size)
     raw_variants = table(t.get("variants"), "variants", tuple(t.get("variants") or ()))
     if not raw_variants:
         raise RecipeError(
@@ -297,6 +327,7 @@ def parse_recipe(doc: dict[str, Any], size: str, name: str, source: str = "") ->
         sweep=parse_sweep(t.get("sweep")),
         sizes=sizes,
         source=source,
+        arch=arch,
     )
     _check_references(recipe)
     if isinstance(recipe.data, SyntheticSpec) and recipe.model.vocab_size != recipe.data.vocab:

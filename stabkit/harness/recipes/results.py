@@ -8,6 +8,7 @@ data-parallel job alike (the monitor's history and the recorded losses are the a
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from typing import Any
 
 from ...monitor import Monitor
@@ -19,9 +20,18 @@ from .run_result import Measures, RunResult
 from .schema import FaultSpec
 
 
-def finish(job: Job, result: RunResult, losses: list[float], mon: Monitor | None) -> Measures:
-    """Quantities of a (possibly partial) run from its losses, monitor history and events."""
+def finish(
+    job: Job, result: RunResult, losses: list[float], mon: Monitor | None, fault_module: str | None = None
+) -> Measures:
+    """Quantities of a (possibly partial) run from its losses, monitor history and events
+    (`fault_module`: where the recipe's nan / inf fault was injected in this model, when not the
+    path the recipe names, `stabkit.harness.recipes.faults.fault_module`)."""
     recipe = job.recipe
+    fault = (
+        replace(recipe.fault, module=fault_module)
+        if recipe.fault is not None and fault_module
+        else recipe.fault
+    )
     history = list(mon.history) if mon is not None else []
     events = [e.to_dict() for e in mon.events] if mon is not None else []
     top = monitored(history)
@@ -54,7 +64,7 @@ def finish(job: Job, result: RunResult, losses: list[float], mon: Monitor | None
             f"{agg}({pattern})": aggregate(history, pattern, agg)[0] for agg, pattern in job.history_checks
         },
         rescue=rescue,
-        fault=fault_quantities(recipe.fault, events, losses) if recipe.fault is not None else None,
+        fault=fault_quantities(fault, events, losses) if fault is not None else None,
         depth_grad_ratio=result.depth["depth_grad_ratio"] if result.depth is not None else None,
         clipping=clip_quantities(history, result.steps),
     )

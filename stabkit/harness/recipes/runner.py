@@ -101,6 +101,7 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
         "steps": recipe.train.steps,
         "data": data_name(recipe.data),
         "model": recipe.model.to_dict(),
+        "arch": recipe.adaptation.to_dict() if recipe.adaptation is not None else None,
         "train": asdict(recipe.train),
         "fault": asdict(recipe.fault) if recipe.fault else None,
         "expect": recipe.sizes.get(recipe.size, {}),
@@ -202,20 +203,32 @@ def run_recipe(
     return summary
 
 
+CHECK_ON_CPU_PARAMS = 50_000_000
+"""A user's model with fewer parameters than this is checked on the CPU by `preflight` (an intervention
+verifies itself with a forward, which the meta device cannot run); a larger one on the meta device."""
+
+
 def preflight(recipe: Recipe) -> None:
     """Catch mistakes before anything trains: build the model on the meta device (no memory), apply
-    each variant's interventions, and check that the fault's module exists. Raises ValueError."""
+    each variant's interventions, and check that the fault's module exists. Raises ValueError.
+
+    On a user's model (`Recipe.arch`) an intervention the model cannot take skips that variant, with
+    the refusal as the reason (`Recipe.adaptation`); when it is the baseline's, RecipeNotApplicable."""
     import torch
 
     from ...interventions import InterventionError, apply_many
-    from ..models import GPT
+    from ..models.build import build
+    from .arch import RecipeNotApplicable
+    from .faults import fault_module
 
-    for variant in recipe.variants:
+    for variant in list(recipe.variants):
         with torch.device("meta"):
-            model = GPT(recipe.model_of(variant))
+            model = build(recipe.arch, recipe.model_of(variant))
+        if recipe.arch is not None and sum(p.numel() for p in model.parameters()) < CHECK_ON_CPU_PARAMS:
+            model = build(recipe.arch, recipe.model_of(variant))  # its interventions verify by a forward
         if recipe.fault is not None and recipe.fault.kind in ("nan", "inf"):
             names = {n for n, _ in model.named_modules()}
-            if recipe.fault.module not in names:
+            if fault_module(model, recipe.fault.module) not in names:
                 examples = ", ".join(sorted(n for n in names if n.count(".") <= 2 and n)[:8])
                 raise ValueError(
                     f"fault.module {recipe.fault.module!r} is not a module of the model; e.g. {examples}"
@@ -224,6 +237,12 @@ def preflight(recipe: Recipe) -> None:
             try:
                 apply_many(model, {k: dict(v) for k, v in variant.interventions.items()})
             except InterventionError as exc:
-                raise ValueError(f"variants.{variant.name}.interventions: {exc}") from None
+                if recipe.adaptation is None:
+                    raise ValueError(f"variants.{variant.name}.interventions: {exc}") from None
+                reason = f"{recipe.arch.text if recipe.arch else 'the model'} refuses it: {' '.join(str(exc).split())}"
+                if variant.role == "baseline":
+                    raise RecipeNotApplicable(f"{recipe.name}: baseline {reason}") from None
+                recipe.adaptation.skipped[variant.name] = reason
+                recipe.variants.remove(variant)
             except Exception:  # some surgery may not run on meta tensors; the worker will tell
                 pass

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..models.spec import ModelSpec
 from .job import Progress
 from .leadtime import LeadRow, RunLead, format_table, lead_row, recipe_runs
 from .loader import load_recipe
@@ -38,11 +39,16 @@ def run_label(recipe: str, seed: int, variant: str) -> str:
 
 
 def seed_recipe(
-    name: str, size: str | None, seed: int, steps: int | None = None, data: str | None = None
+    name: str,
+    size: str | None,
+    seed: int,
+    steps: int | None = None,
+    data: str | None = None,
+    model: ModelSpec | None = None,
 ) -> Recipe:
-    """`name` loaded for one seed, with only its baseline and reference variants, each evaluating
-    the held-out loss `CURVE_POINTS` times."""
-    recipe = load_recipe(name, size, steps=steps, seed=seed, data=data)
+    """`name` loaded for one seed (on `model`, None: the recipe's), with only its baseline and
+    reference variants, each evaluating the held-out loss `CURVE_POINTS` times."""
+    recipe = load_recipe(name, size, steps=steps, seed=seed, data=data, model=model)
     kept = [v for v in recipe.variants if v.role in ROLES]
     for v in kept:
         v.train = replace(v.train, eval_every=max(1, v.train.steps // CURVE_POINTS))
@@ -62,6 +68,7 @@ def reusable(path: Path, recipe: Recipe) -> dict[str, Any] | None:
         and data.get("size") == recipe.size
         and data.get("seed") == recipe.train.seed
         and data.get("steps") == recipe.train.steps
+        and (data.get("arch") or None) == (recipe.adaptation.to_dict() if recipe.adaptation else None)
         and set(data.get("variants", {})) == {v.name for v in recipe.variants}
         and all("val_curve" in r for r in data.get("variants", {}).values())
     )
@@ -98,6 +105,7 @@ def run_seeds(
     size: str | None = None,
     steps: int | None = None,
     data: str | None = None,
+    model: ModelSpec | None = None,
     device: str = "cpu",
     workers: int = 1,
     on_progress: Progress | None = None,
@@ -109,7 +117,7 @@ def run_seeds(
     for name in names:
         summaries: dict[int, dict[str, Any]] = {}
         for seed in seeds:
-            recipe = seed_recipe(name, size, seed, steps, data)
+            recipe = seed_recipe(name, size, seed, steps, data, model)
             folder = out / recipe.name / f"seed{seed}"
             label = f"{recipe.name} seed {seed}"
             done = reusable(folder / SUMMARY, recipe)

@@ -44,6 +44,9 @@ class Summary:
     steps: int | None = None
     data: str | None = None
     model: dict[str, Any] | None = None
+    arch: dict[str, Any] | None = None
+    """On a user's model (``--model hf:llama``): its spec, options, skipped variants and notes
+    (`stabkit.harness.recipes.arch.Adaptation`); absent for the reference GPT."""
     train: dict[str, Any] | None = None
     fault: dict[str, Any] | None = None
     expect: dict[str, str] | None = None

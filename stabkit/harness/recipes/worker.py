@@ -39,11 +39,13 @@ from ...events import InstabilityError
 from ...interventions import Handle
 from ...monitor import Monitor
 from ..data import load_corpus
-from ..models import GPT, GPTConfig
+from ..models import GPTConfig
+from ..models.build import build as build_architecture
+from ..models.spec import ModelSpec
 from ..training import Callbacks, Heldout, TrainConfig, TrainRun, evaluate, train
 from . import ddp as ddp_mod
 from .depth import depth_sweep
-from .faults import FaultyCorpus, StepClock, inject_output_fault
+from .faults import FaultyCorpus, StepClock, fault_module, inject_output_fault
 from .job import Job, Progress
 from .recipe import Recipe, VariantSpec
 from .results import finish
@@ -72,6 +74,8 @@ class Built:
     clock: StepClock
     ctx: DistContext | None
     notes: list[str] = field(default_factory=list)
+    fault_module: str | None = None
+    """Where the nan / inf fault is injected (the recipe's path, or its place in a user's model)."""
 
     @property
     def config(self) -> TrainConfig:
@@ -134,7 +138,7 @@ def run_job(
         if monitor is not None:
             monitor.detach()  # flushes the logs also when training was interrupted
     result.steps_done = len(losses)
-    result.measures = finish(job, result, losses, monitor)
+    result.measures = finish(job, result, losses, monitor, run.fault_module if run is not None else None)
     result.seconds = time.perf_counter() - start
     report(job.name, result.status, len(losses), config.steps, losses[-1] if losses else math.nan)
     return result
@@ -162,11 +166,15 @@ def build(
     if fault is not None and fault.kind == "bad_batch":
         corpus = FaultyCorpus(corpus, fault, config.grad_accum, config.seed)
     train_corpus = corpus if ctx is None else ddp_mod.RankRows.for_rank(corpus, config.batch_size, ctx)
-    model, handle = build_model(recipe.model_of(variant), variant.interventions, config.seed, device)
+    model, handle = build_model(
+        recipe.model_of(variant), variant.interventions, config.seed, device, recipe.arch
+    )
     clock = StepClock()
     notes = []
+    at = None
     if fault is not None and fault.kind in ("nan", "inf"):
-        inject_output_fault(model, fault, clock)
+        at = fault_module(model, fault.module)
+        inject_output_fault(model, replace(fault, module=at), clock)
         if ctx is not None:
             notes.append("under DDP the detectors do not replay a non-finite step: not localized")
     if ctx is not None and variant.role == "rescue":
@@ -180,18 +188,23 @@ def build(
         from ...interventions import attach_optimizer
 
         attach_optimizer(handle, trainer.optimizer)
-    return Built(model, handle, corpus, trainer, clock, ctx, notes)
+    return Built(model, handle, corpus, trainer, clock, ctx, notes, at)
 
 
 def build_model(
-    config: GPTConfig, interventions: dict[str, dict[str, Any]], seed: int, device: torch.device
+    config: GPTConfig,
+    interventions: dict[str, dict[str, Any]],
+    seed: int,
+    device: torch.device,
+    arch: ModelSpec | None = None,
 ) -> tuple[nn.Module, Handle | None]:
-    """The variant's GPT built with `seed` (same weights for every variant), interventions applied
-    (their handle, None without interventions). Build the optimizer afterwards: new gains train."""
+    """The variant's model (the reference GPT, or `arch` at `config`'s size) built with `seed` (same
+    weights for every variant), interventions applied (their handle, None without interventions).
+    Build the optimizer afterwards: new gains train."""
     from ...interventions import apply_many
 
     torch.manual_seed(seed)
-    model = GPT(config)
+    model = build_architecture(arch, config)
     handle = apply_many(model, {k: dict(v) for k, v in interventions.items()}) if interventions else None
     return model.to(device), handle
 
