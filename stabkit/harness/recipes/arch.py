@@ -119,7 +119,21 @@ def adapt(recipe: Any, spec: ModelSpec, placement: str | None) -> Adaptation:
         notes.append(
             "[depth] (the init-time depth sweep) builds the reference GPT at several depths: not run"
         )
+        drop_depth_checks(recipe)
     return Adaptation(spec, skipped, notes)
+
+
+def drop_depth_checks(recipe: Any) -> None:
+    """Without [depth], the checks that read ``depth_grad_ratio`` have nothing to read: removed."""
+
+    def keep(checks: list[Any]) -> list[Any]:
+        return [c for c in checks if c.metric != "depth_grad_ratio"]
+
+    recipe.reproduced, recipe.fixed = keep(recipe.reproduced), keep(recipe.fixed)
+    for variant in recipe.variants:
+        variant.mechanism = keep(variant.mechanism)
+        if variant.fixed is not None:
+            variant.fixed = keep(variant.fixed)
 
 
 def variant_problem(recipe: Any, variant: Any, base: GPTConfig, spec: ModelSpec) -> str | None:

@@ -89,7 +89,8 @@ def verdicts(recipe: Recipe, results: dict[str, dict[str, Any]]) -> dict[str, di
 
 
 def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[str, Any]:
-    """The run's settings, for the summary header (`Summary`'s header fields)."""
+    """The run's settings, for the summary header (`Summary`'s header fields, and ``arch`` on a user's
+    model)."""
     return {
         "processes": dist.world_size,
         "recipe": recipe.name,
@@ -101,7 +102,6 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
         "steps": recipe.train.steps,
         "data": data_name(recipe.data),
         "model": recipe.model.to_dict(),
-        "arch": recipe.adaptation.to_dict() if recipe.adaptation is not None else None,
         "train": asdict(recipe.train),
         "fault": asdict(recipe.fault) if recipe.fault else None,
         "expect": recipe.sizes.get(recipe.size, {}),
@@ -110,6 +110,8 @@ def describe(recipe: Recipe, device: str, dist: DistContext = SINGLE) -> dict[st
             "fixed": {n: [c.describe() for c in cs] for n, cs in criteria(recipe)[0].items()},
         },
         "variant_roles": {v.name: v.role for v in recipe.variants},
+        # on a user's model only (``--model hf:llama``): its spec, skipped variants and notes
+        **({"arch": recipe.adaptation.to_dict()} if recipe.adaptation is not None else {}),
     }
 
 

@@ -59,6 +59,8 @@ def test_a_post_norm_recipe_applies_to_a_users_post_norm_model(tmp_path: Path) -
     recipe = load_recipe("post-norm-no-warmup", model=parse_model_spec(f"{path}:post_norm"))
     assert recipe.baseline.name == "baseline" and recipe.adaptation is not None
     assert recipe.depth is None and any("[depth]" in n for n in recipe.adaptation.notes)
+    checks = [*recipe.reproduced, *(c for v in recipe.variants for c in [*v.mechanism, *(v.fixed or [])])]
+    assert checks and all(c.metric != "depth_grad_ratio" for c in checks)  # nothing left to read it
     # its variants relocate norms by intervention, which a discovered post-norm model takes
     assert {"pre", "sandwich"} <= {v.name for v in recipe.variants}
 
