@@ -75,6 +75,13 @@ def sized_config(model_type: str, size: GPTConfig, options: dict[str, Any]) -> A
             f"--model-option {', '.join(unknown)}: not a field of {cls.__name__} "
             f"(e.g. {', '.join(sorted(k for k in vars(default) if not k.startswith('_'))[:8])})"
         )
+    heads = options.get("num_attention_heads", fields.get("num_attention_heads"))
+    kv = options.get("num_key_value_heads", fields.get("num_key_value_heads"))
+    if isinstance(heads, int) and isinstance(kv, int) and (kv < 1 or heads % kv):
+        raise ModelSpecError(
+            f"hf:{model_type}: num_key_value_heads={kv} must divide num_attention_heads={heads} "
+            "(the recipe's n_heads at this size, unless an option sets it)"
+        )
     try:
         return cls(**{**fields, **options})
     except (TypeError, ValueError) as exc:

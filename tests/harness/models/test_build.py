@@ -65,6 +65,9 @@ def test_hf_options_go_over_the_size_and_unknown_fields_are_named() -> None:
     assert cfg.num_local_experts == 4 and cfg.num_experts_per_tok == 1 and cfg.hidden_size == 64
     gqa = config_of(build(parse_model_spec("hf:qwen2", {"num_key_value_heads": 2}), TINY))
     assert gqa.num_key_value_heads == 2 and gqa.num_attention_heads == 4
+    one_head = GPTConfig(d_model=64, n_layers=1, n_heads=1)  # low-precision's tiny size: one head of 64
+    with pytest.raises(ModelSpecError, match="num_key_value_heads=2 must divide num_attention_heads=1"):
+        build(parse_model_spec("hf:qwen2", {"num_key_value_heads": 2}), one_head)
     with pytest.raises(ModelSpecError, match="not_a_field: not a field of MixtralConfig"):
         build(parse_model_spec("hf:mixtral", {"not_a_field": 1}), TINY)
     with pytest.raises(ModelSpecError, match="hf:lama is not known .*hf:llama"):
