@@ -157,8 +157,9 @@ def header(recipe: object, device: str, jobs: int, original_steps: int | None, d
     if recipe.description:
         lines.append(f"  {recipe.description}")
     expect = recipe.sizes.get(recipe.size, {}).get("expect")
+    where = "on the reference GPT at this size" if recipe.arch is not None else "at this size"
     lines.append(
-        f"  expected at this size: {expect}"
+        f"  expected {where}: {expect}"
         if expect
         else f"  no [sizes.{recipe.size}] table: the recipe's base values are used"
     )
