@@ -86,3 +86,21 @@ def test_nan_injection_on_llama_is_found_and_localized(tmp_path: Path) -> None:
     assert summary.arch is not None and summary.arch["spec"] == "hf:llama"
     # the skip action keeps the poisoned step out of the weights: its loss stays finite
     assert summary.variants["skip"]["nonfinite_steps"] <= 1
+
+
+def test_a_recipe_file_names_its_model_in_its_model_table(tmp_path: Path) -> None:
+    from stabkit.harness.recipes.errors import RecipeError
+    from stabkit.harness.recipes.loader import builtin_dir
+
+    text = (builtin_dir() / "attention-logit-growth.toml").read_text()
+    table = '[model]\nspec = "hf:mixtral"\nnorm_placement = "pre"\n\n[model.options]\nnum_local_experts = 4\n'
+    path = tmp_path / "mine.toml"
+    path.write_text(text.replace('[model]\nnorm_placement = "pre"\n', table))
+    recipe = load_recipe(path)
+    assert recipe.arch is not None and recipe.arch.text == "hf:mixtral"
+    assert recipe.arch.options == {"num_local_experts": 4}
+    assert recipe.adaptation is not None and recipe.adaptation.spec.kind == "hf"
+    assert load_recipe(path, model=LLAMA).arch == LLAMA  # --model wins over the file
+    path.write_text(text.replace('[model]\nnorm_placement = "pre"\n', '[model]\nspec = "gpt3"\n'))
+    with pytest.raises(RecipeError, match="model.spec.*unknown model spec 'gpt3'"):
+        load_recipe(path)
