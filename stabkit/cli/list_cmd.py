@@ -90,7 +90,11 @@ def presets_text() -> str:
                 f"{non_embedding_params(cfg) / 1e6:.2f} M",
             ]
         )
-    return text_table(["preset", "d_model", "layers", "heads", "context", "batch", "non-emb params"], rows)
+    table = text_table(["preset", "d_model", "layers", "heads", "context", "batch", "non-emb params"], rows)
+    return (
+        table + "\nOther models at these sizes: --model hf:<model_type> (any causal LM of the installed "
+        "transformers) or --model module:callable (your factory); see docs/guide/your-model.md"
+    )
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
