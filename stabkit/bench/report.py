@@ -7,16 +7,16 @@ from .machine import line as machine_line
 from .runner import BenchConfig, BenchResult
 
 BUDGET = {"default": 1.02, "every100": 1.01, "full": 1.12}
-"""Step-time budget on the CPU reference benchmark (DESIGN.md's performance budget; issues 25, 41).
+"""Step-time budget on the CPU reference benchmark (docs/architecture.md, "Performance budget").
 Full monitoring's is judged at d_model >= 256 (`FULL_BUDGET_MIN_WIDTH`); narrower, its figure is
 reported without a verdict."""
 FULL_BUDGET_MIN_WIDTH = 256
 """Full monitoring reads each activation a fixed number of times per token while the model's matrix
-products grow with d: its eager budget holds from this width on (issue 41); compiled, on every size."""
+products grow with d: its eager budget holds from this width on (docs/guide/cost.md); compiled, on every size."""
 COMPILED_BUDGET = {"default": 1.03, "full": 1.15}
-"""Step-time budget against a compiled bare loop (`stabkit bench --compile`; issue 28)."""
+"""Step-time budget against a compiled bare loop (`stabkit bench --compile`)."""
 COMPILE_TIME_BUDGET = 1.3
-"""Compile time of the default monitoring against the compiled bare loop's (issue 28)."""
+"""Compile time of the default monitoring against the compiled bare loop's."""
 MEMORY_BUDGET = 0.01
 """Memory overhead budget: fraction of parameters + gradients + optimizer state."""
 

@@ -1,5 +1,5 @@
 """Eager FlexAttention with a block mask made in each attention module's forward: the max logit is exact
-at every step and every layer (issue 38, item 6: a report of layer 0's value repeating from the step
+at every step and every layer (a report of layer 0's value repeating from the step
 before). Partial diagonal blocks (block size 8, 16 tokens), so ``mask_mod`` decides inside them; the
 attention is frozen because FlexAttention's backward does not run on a CPU."""
 

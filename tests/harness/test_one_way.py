@@ -1,6 +1,6 @@
 """The harness is a one-way dependency: the library never imports it (nor the CLI, nor the benchmark).
 
-DESIGN.md's layer table puts `cli` on top and `harness`/`bench` below it, above the whole library:
+docs/architecture.md's layer table puts `cli` on top and `harness`/`bench` below it, above the whole library:
 stabkit watches its own reference GPT like any model (the GPT *declares* its family, see
 `stabkit.discovery.families`). A source scan with `ast`: every import statement in every file under
 stabkit/ outside stabkit/harness/, stabkit/bench/ and stabkit/cli/ (absolute or relative, at module
@@ -94,7 +94,7 @@ def violations(root: Path) -> list[str]:
 def test_the_library_never_imports_the_harness_the_bench_or_the_cli() -> None:
     found = violations(PACKAGE)
     assert not found, (
-        "the library must not import stabkit.harness / bench / cli (DESIGN.md, layers); declare what the "
+        "the library must not import stabkit.harness / bench / cli (docs/architecture.md, Layers); declare what the "
         "library needs on the model's classes instead (stabkit.discovery.families.FAMILY_ATTR):\n"
         + "\n".join(found)
     )

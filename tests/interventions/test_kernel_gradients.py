@@ -1,4 +1,4 @@
-"""Interventions through flash-attn 2 and 3 change forward *and* backward (issue 38, item 1).
+"""Interventions through flash-attn 2 and 3 change forward *and* backward (docs/guide/kernels.md).
 
 flash-attn's entry points hand q, k, v and ``softcap`` to an ``autograd.Function`` that saves the q and k
 it was given and keeps its own ``ctx.softcap`` for the backward (flash-attn 2.8.4

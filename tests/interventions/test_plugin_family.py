@@ -224,7 +224,7 @@ def test_the_rescue_switches_a_registered_midrun_plugin_on(gain: type[Gain]) -> 
 
 
 def test_assigning_a_spec_to_the_registry_registers_a_plugin() -> None:
-    """The older extension path (issue 26: it raised ``tuple.index(x): x not in tuple``)."""
+    """The older extension path (it once raised ``tuple.index(x): x not in tuple``)."""
     seen: list[dict[str, Any]] = []
 
     def factory(model: nn.Module, model_map_override: Any = None, **options: Any) -> Handle:

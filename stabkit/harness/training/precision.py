@@ -8,7 +8,7 @@ q·kᵀ overflow, its localization and the fixes' numbers). Measured with a CPU 
 (`Amp.of(..., scaler=True)`): the overflow still reproduces and is still localized to blocks.0.attn,
 but the scaled fp16 backward rounds differently (fp32_softmax's held-out loss 3.56 instead of 3.68
 after 20 steps at LR 0.45), so the recorded numbers would move. A run asks for one with
-`TrainConfig.grad_scaler` (``train.grad_scaler`` in a recipe): low-precision does since issue 37 —
+`TrainConfig.grad_scaler` (``train.grad_scaler`` in a recipe): low-precision does —
 without it, unscaled fp16 gradients underflow and Adam's normalised steps grew the MLP until it
 overflowed fp16 too, and attention was no longer the run's only overflow.
 

@@ -1,4 +1,4 @@
-"""The lead-time table with issue 25's detectors: post-norm without warmup is warned at step 0 by
+"""The lead-time table with the leading-signal detectors: post-norm without warmup is warned at step 0 by
 the depth-gradient check, and the reference (the same post-norm model with warmup) stays quiet."""
 
 from __future__ import annotations
