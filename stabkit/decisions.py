@@ -44,6 +44,7 @@ from .events import Event
 from .hooks import HookSet
 from .learning_rate import LR_SERIES, current_lr
 from .stats import Recorder
+from .stats.step_facts import StepFacts
 
 OWNER = "detectors"
 
@@ -69,8 +70,9 @@ class Wiring:
     sampled_every: int = 10
     """`MonitorConfig.every`."""
     distributed: bool = False
-    overflowed: Callable[[], bool] | None = None
-    """With an enabled fp16 GradScaler: whether this step's update was skipped; None without one."""
+    facts: StepFacts = field(default_factory=StepFacts)
+    """What the step knows (the Monitor's `StepFacts`): the GradScaler, a skipped update, the
+    after-update finiteness note."""
     warmup_steps: int | None = None
     """The run's LR warmup as `attach` was told it (None: not known)."""
 
@@ -157,7 +159,7 @@ class Decisions:
             sampled_every=w.sampled_every,
             can_replay=not w.distributed,
             muted=w.muted,
-            overflowed=w.overflowed,
+            facts=w.facts,
             output_site=_output_site(w.model_map),
         )
 

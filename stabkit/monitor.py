@@ -42,8 +42,9 @@ from .incidents import IncidentLog
 from .interventions import Handle
 from .optimizers import OptimizerSet, as_optimizer
 from .plugins import PROBES
-from .probes import GradProbe, Probe, ProbeContext
+from .probes import Probe, ProbeContext
 from .stats import Recorder
+from .stats.step_facts import StepFacts
 
 InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str, Any]]
 """What `attach(..., interventions=...)` takes: names, (name, options) pairs, or {name: options}."""
@@ -105,6 +106,8 @@ class Monitor:
         self._model_map: ModelMap | None = None
         self.dist = detect(model)
         """This rank's place in a torch.distributed job (mode 'single' when not distributed)."""
+        self.facts = StepFacts(scaler=scaler, dist=self.dist)
+        """What the step knows, shared by the probes and the detectors' device parts."""
         self.recorder = Recorder(reducer=reduce_stacked if self.dist.active else None)
         self._metrics: dict[str, float] = {}
         self._peeked = 0
@@ -203,10 +206,15 @@ class Monitor:
             raise
         cfg = self.config
         self.context = ProbeContext(
-            model, self.model_map, self.optimizer, self.recorder, cfg, lambda: self._step, hooks=self.hooks
+            model,
+            self.model_map,
+            self.optimizer,
+            self.recorder,
+            cfg,
+            lambda: self._step,
+            self.facts,
+            self.hooks,
         )
-        self.context.extras["scaler"] = self.scaler
-        self.context.extras["dist"] = self.dist
         self.probes = build_probes(cfg)
         self._ending = [p for p in self.probes if type(p).end_step is not Probe.end_step]
         self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
@@ -250,8 +258,6 @@ class Monitor:
         Replaces detectors installed before."""
         if self.detectors is not None:
             self.detectors.remove()
-        grad = next((p for p in self.probes if isinstance(p, GradProbe)), None)
-        scaled = self.scaler is not None and self.scaler.is_enabled()
         wiring = Wiring(
             model=self.model,
             optimizer=self.optimizer,
@@ -265,7 +271,7 @@ class Monitor:
             metrics=self._metrics,
             sampled_every=self.config.every,
             distributed=self.dist.active,
-            overflowed=(lambda: grad is not None and grad.skipped) if scaled else None,
+            facts=self.facts,
             warmup_steps=self.schedule["warmup_steps"],
         )
         self.detectors = Decisions(wiring, config or DetectConfig())

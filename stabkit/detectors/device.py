@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from ..detect_config import DetectConfig
@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from ..hooks import Registrar
+    from ..stats.step_facts import StepFacts
 
 ValueOf = Callable[[str], "torch.Tensor | None"]
 """The step's recorded value of a series, as a device tensor (None when not recorded)."""
@@ -70,9 +71,9 @@ class DeviceContext:
     """Re-running the step's forward and backward on this rank alone is possible (not under torch.distributed)."""
     muted: Callable[[], contextlib.AbstractContextManager[Any]]
     """A context in which the probes' statistics go nowhere (for a replay's forward)."""
-    overflowed: Callable[[], bool] | None = None
-    """With an enabled fp16 GradScaler: whether this step's update was skipped (read at `Monitor.step`);
-    None without one."""
+    facts: StepFacts = field(default_factory=lambda: _no_facts())
+    """What the step knows (the Monitor's `StepFacts`, shared with the probes): the GradScaler and
+    whether it skipped this step's update (read at `Monitor.step`), the after-update finiteness note."""
     output_site: tuple[str, Callable[[Any], Any]] | None = None
     """(path, take) of the module whose output holds the model's final logits, when discovery found
     one below the root (`ModelMap.logits`; `take(output)` reads them), else None. A check of the
@@ -81,7 +82,15 @@ class DeviceContext:
     @property
     def scaled(self) -> bool:
         """An enabled fp16 GradScaler is in use."""
-        return self.overflowed is not None
+        return self.facts.scaled
+
+
+def _no_facts() -> StepFacts:
+    """A `StepFacts` of its own for a context built without the Monitor's (tests); imported here, on
+    use, so that reading the detectors' names does not import torch."""
+    from ..stats.step_facts import StepFacts
+
+    return StepFacts()
 
 
 class DeviceChecks:

@@ -57,8 +57,8 @@ class AmpDetector(Detector):
 
     def device_checks(self, ctx: DeviceContext) -> DeviceChecks | None:
         """With an fp16 GradScaler: `ScalerCheck` (on a skipped step, are the weights broken?)."""
-        if ctx.overflowed is None:
+        if not ctx.scaled:
             return None
         from .scaler import ScalerCheck
 
-        return ScalerCheck(ctx.model, ctx.optimizer, ctx.overflowed)
+        return ScalerCheck(ctx.model, ctx.optimizer, ctx.facts)

@@ -9,13 +9,13 @@ syncs once, on overflowed steps only.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
 
 from ..detectors.device import DeviceChecks
 from ..events import Event
+from ..stats.step_facts import StepFacts
 from .localize import nonfinite_state
 
 
@@ -24,14 +24,14 @@ class ScalerCheck(DeviceChecks):
 
     kind = "nonfinite"
 
-    def __init__(self, model: nn.Module, optimizer: Any, overflowed: Callable[[], bool]) -> None:
+    def __init__(self, model: nn.Module, optimizer: Any, facts: StepFacts) -> None:
         self.model = model
         self.optimizer = optimizer
-        self.overflowed = overflowed
+        self.facts = facts
 
     def decide_step(self, step: int, flagged: list[str]) -> Event | None:
         """The 'nonfinite' event of a broken model behind a skipped step, else None."""
-        if not self.overflowed():
+        if not self.facts.update_skipped:
             return None
         found = nonfinite_state(self.model, self.optimizer)
         if found is None:

@@ -28,7 +28,6 @@ import torch
 from ..detectors.device import DeviceChecks, DeviceContext, ValueOf
 from ..distributed import first_across_ranks, process_group_active
 from ..events import Event
-from ..stats import after_update as update_notes
 from ..stats.finite import any_flag, nonfinite_flag, nonfinite_scalar
 from .guard import OUTPUT_METRIC, UPDATE_METRIC, StepGuard, optimizer_tensors
 from .localize import FaultSite, finding_event, locate_update_fault, replay
@@ -49,6 +48,7 @@ class NonfiniteWatch(DeviceChecks):
     def __init__(self, ctx: DeviceContext, options: NonfiniteOptions) -> None:
         self.model = model = ctx.model
         self.optimizer: Any = ctx.optimizer
+        self.facts = ctx.facts
         self.options = options
         self.record = ctx.record
         """Add a per-step flag (combined by max) to the step's statistics."""
@@ -199,7 +199,7 @@ class NonfiniteWatch(DeviceChecks):
         params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
         tensors = [*params, *optimizer_tensors(self.optimizer)]
         flags = []
-        note = update_notes.take(self.optimizer, step)  # what the update-norm pass read already
+        note = self.facts.take_after_update(step)  # what the update-norm pass read already
         if note is not None:
             tensors = [t for t in tensors if id(t) not in note.tensors]
             flags.append(note.flag)

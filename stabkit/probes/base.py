@@ -33,6 +33,7 @@ from ..discovery import ModelMap
 from ..discovery.trace import first_tensor_in, tracing
 from ..hooks import HookSet, Registrar, hook_warning
 from ..stats import Recorder
+from ..stats.step_facts import StepFacts
 from .forwards import TrainingForwards
 from .phase import StepPhase
 
@@ -61,8 +62,9 @@ class ProbeContext:
     config: MonitorConfig
     step: Callable[[], int]
     """The index of the step in progress (completed `Monitor.step` calls so far)."""
-    extras: dict[str, Any] = field(default_factory=dict)
-    """Shared scratch space between probes (e.g. kept inputs for replay)."""
+    facts: StepFacts = field(default_factory=StepFacts)
+    """What the step knows (the Monitor's `StepFacts`: GradScaler, distributed context, a skipped
+    update, the after-update finiteness note), shared with the detectors' device parts."""
     hooks: Registrar = field(default_factory=HookSet)
     """Where probes register their hooks (the Monitor's `HookSet`: order kept, removed at detach)."""
     forwards: TrainingForwards = field(init=False)

@@ -36,10 +36,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..distributed import SINGLE, DistContext, is_dtensor, like_param, local
-from ..stats import after_update as update_notes
+from ..distributed import DistContext, is_dtensor, like_param, local
 from ..stats import foreach_norm_f32, l2_of_norms
-from ..stats.after_update import FiniteSeen
+from ..stats.step_facts import FiniteSeen
 from .base import Probe, ProbeContext, guarded
 from .unit_norms import UnitNorms
 from .updates import closed_form_supported, update_norms
@@ -111,7 +110,7 @@ class GradProbe(Probe):
                     if id(p) in where:
                         self.group_of[where[id(p)]] = g
         self._grad_norms: list[torch.Tensor | None] = [None] * len(self.params)
-        self.scaler = ctx.extras.get("scaler")
+        self.scaler = ctx.facts.scaler
         self._stepped = False
         self.skipped = False
         """True after `end_step` when gradients arrived but the optimizer did not step (e.g. GradScaler overflow)."""
@@ -120,7 +119,7 @@ class GradProbe(Probe):
         self._old_norms: list[torch.Tensor] = []
         self.closed_form = ctx.optimizer is not None and closed_form_supported(ctx.optimizer)
         self._queued = False
-        self.dist: DistContext = ctx.extras.get("dist") or SINGLE
+        self.dist: DistContext = ctx.facts.dist
         self.scales = self.dist.norm_scales(self.params)
         self._dtensors = any(is_dtensor(p) for p in self.params)
         """Some parameter is a DTensor: gradients are taken as this rank's piece (`local`)."""
@@ -251,7 +250,7 @@ class GradProbe(Probe):
             assert ctx.optimizer is not None
             seen = FiniteSeen()
             deltas = update_norms(ctx.optimizer, current, seen)
-            update_notes.leave(ctx.optimizer, ctx.step(), seen)  # the non-finite check reads the rest
+            ctx.facts.leave_after_update(ctx.step(), seen)  # the non-finite check reads the rest
         else:
             snap, self._snapshot = self._snapshot, None
             torch._foreach_sub_(snap, [local(p.detach()) for p in current])  # snap := θ_old − θ_new
@@ -294,8 +293,8 @@ class GradProbe(Probe):
     def _record_amp(self, ctx: ProbeContext) -> None:
         """With an enabled fp16 GradScaler: ``amp/scale`` (after its update) and ``amp/overflow`` (1
         when it skipped this step's update)."""
-        scaler = ctx.extras.get("scaler")
-        if scaler is None or not scaler.is_enabled():
+        scaler = ctx.facts.scaler
+        if scaler is None or not ctx.facts.scaled:
             return
         if scaler._scale is not None:
             ctx.recorder.add("amp/scale", scaler._scale.clone())  # update() changes it in place
@@ -309,6 +308,7 @@ class GradProbe(Probe):
             self.before_update()
         had_grads = any(n is not None for n in self._grad_norms)
         self.skipped = ctx.optimizer is not None and had_grads and not self._stepped
+        ctx.facts.update_skipped = self.skipped
         self._stepped = False
         self._record_amp(ctx)
         self._queued = False  # a backward that raised never ran its callback

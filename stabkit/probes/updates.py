@@ -20,8 +20,8 @@ import torch
 
 from ..distributed import like_param, local
 from ..stats import foreach_norm_f32
-from ..stats.after_update import FiniteSeen
 from ..stats.finite import any_nonfinite
+from ..stats.step_facts import FiniteSeen
 
 SUPPORTED = (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD)
 
@@ -48,7 +48,7 @@ def update_norms(
 ) -> list[torch.Tensor]:
     """Per-parameter ‖Δθ‖ (float32 0-d device tensors) of the step that just ran; 0 for skipped params.
     `seen`: filled with the parameters and state tensors the foreach path read, and whether one of
-    them holds NaN/±Inf (`stabkit.stats.after_update`)."""
+    them holds NaN/±Inf (`stabkit.stats.step_facts`)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
     out: list[torch.Tensor | None] = [None] * len(params)
     batches: dict[tuple[Any, ...], list[tuple[int, torch.Tensor, dict]]] = {}
