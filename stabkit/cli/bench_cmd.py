@@ -13,7 +13,7 @@ import click
 
 from .app import main
 from .progress import Phase, duration
-from .run_cmd import model_spec
+from .run_cmd import SHARED_OPTIONS, model_spec
 
 VARIANT_NAMES = ("bare", "default", "full", "anomaly")
 """`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
@@ -110,13 +110,7 @@ bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them eq
     help="Measure on this model instead of the reference GPT: hf:<model_type> or module:callable, built "
     "at --size's shape (a preset name is the same as --size).",
 )
-@click.option(
-    "--model-option",
-    "model_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A config field or factory argument; repeatable.",
-)
+@SHARED_OPTIONS["model_option"]
 def bench(
     device: str,
     size: str,

@@ -6,6 +6,7 @@ import click
 
 from ..harness.models.presets import PRESETS
 from .app import main
+from .run_cmd import SHARED_OPTIONS
 
 
 @main.command(name="inspect")
@@ -19,13 +20,7 @@ from .app import main
     help="Build an hf: or module:callable model at this preset's size (default: an hf: model's config "
     "defaults, a factory at tiny).",
 )
-@click.option(
-    "--model-option",
-    "model_option",
-    multiple=True,
-    metavar="KEY=VALUE",
-    help="A config field or factory argument; repeatable.",
-)
+@SHARED_OPTIONS["model_option"]
 def inspect_command(
     spec: str, with_audit: bool, as_json: bool, size: str | None, model_option: tuple[str, ...]
 ) -> None:

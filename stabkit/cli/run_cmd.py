@@ -23,6 +23,7 @@ from .progress import MultiProgress
 if TYPE_CHECKING:
     from ..harness.launch import Relaunched
     from ..harness.models.spec import ModelSpec
+    from ..harness.recipes import Recipe
     from ..harness.recipes.summary import Summary
 
 
@@ -133,6 +134,31 @@ def not_applicable(exc: Exception) -> None:
     sys.exit(0)
 
 
+def load_to_train(
+    recipe: str,
+    size: str | None,
+    steps: int | None,
+    seed: int | None,
+    data: str | None,
+    model: str | None,
+    model_option: tuple[str, ...],
+) -> tuple[Recipe, int | None]:
+    """`run` and `sweep`: the recipe loaded with the command's overrides and checked (`preflight`), and
+    its own step count when --steps changed it. A recipe the model cannot take ends the command here
+    (`not_applicable`)."""
+    from ..harness.recipes import load_recipe, preflight
+    from ..harness.recipes.arch import RecipeNotApplicable
+
+    spec = model_spec(model, model_option)
+    try:
+        loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data, model=spec)
+        preflight(loaded)
+    except RecipeNotApplicable as exc:
+        not_applicable(exc)
+    original = load_recipe(recipe, loaded.size).train.steps if steps is not None else None
+    return loaded, original
+
+
 def steps_note(steps: int, original: int) -> str:
     """`shortened run (20 of 300 steps)` or `lengthened run (600 steps; the recipe has 300)`."""
     if steps < original:
@@ -210,8 +236,7 @@ def run_command(
 
     from ..distributed import launched_by_torchrun
     from ..harness.launch import relaunch
-    from ..harness.recipes import load_recipe, preflight, run_recipe
-    from ..harness.recipes.arch import RecipeNotApplicable
+    from ..harness.recipes import run_recipe
     from ..harness.recipes.ddp import check_split
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
@@ -223,13 +248,7 @@ def run_command(
             f"--nproc {procs} trains each variant on {procs} processes, one variant after another; "
             f"it cannot be combined with --jobs {jobs} (drop --jobs)"
         )
-    spec = model_spec(model, model_option)
-    try:
-        loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data, model=spec)
-        preflight(loaded)
-    except RecipeNotApplicable as exc:
-        not_applicable(exc)
-    original = load_recipe(recipe, loaded.size).train.steps if steps is not None else None
+    loaded, original = load_to_train(recipe, size, steps, seed, data, model, model_option)
     dev = resolve_device(device)
     out_dir = writable_dir(out or Path("runs") / loaded.name, "--out")
     if procs > 1:

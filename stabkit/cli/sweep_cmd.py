@@ -12,8 +12,7 @@ from .progress import MultiProgress
 from .run_cmd import (
     exit_code,
     header,
-    model_spec,
-    not_applicable,
+    load_to_train,
     resolve_device,
     resolve_jobs,
     shared_options,
@@ -65,19 +64,12 @@ def sweep_command(
     """
     import torch
 
-    from ..harness.recipes import load_recipe, preflight, run_sweep
-    from ..harness.recipes.arch import RecipeNotApplicable
+    from ..harness.recipes import run_sweep
     from ..harness.recipes.report import sweep_tables, verdict_lines
     from ..harness.recipes.sweep import SWEPT
 
     grid = parse_lrs(lrs)
-    spec = model_spec(model, model_option)
-    try:
-        loaded = load_recipe(recipe, size, steps=steps, seed=seed, data=data, model=spec)
-        preflight(loaded)
-    except RecipeNotApplicable as exc:
-        not_applicable(exc)
-    original = load_recipe(recipe, loaded.size).train.steps if steps is not None else None
+    loaded, original = load_to_train(recipe, size, steps, seed, data, model, model_option)
     dev = resolve_device(device)
     workers = resolve_jobs(jobs, dev)
     if dev == "cpu":
