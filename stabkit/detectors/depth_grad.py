@@ -34,6 +34,7 @@ from typing import Any, ClassVar
 
 from ..events import Event
 from ..learning_rate import LR_SERIES
+from ..metric_names import GRAD, metric
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
@@ -77,8 +78,8 @@ class DepthGradDetector(Detector):
         super().__init__(ctx)
         self.options = ctx.options(self.kind, DepthGradOptions)
         paths = ctx.block_paths
-        self.first = f"grad/{paths[0]}/norm" if paths else None
-        self.last = f"grad/{paths[-1]}/norm" if paths else None
+        self.first = metric(GRAD, paths[0], "norm") if paths else None
+        self.last = metric(GRAD, paths[-1], "norm") if paths else None
         self.depth = len(paths)
         post = sum(1 for b in ctx.blocks if b.placement == "post")
         self.active = (

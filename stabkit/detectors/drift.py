@@ -49,6 +49,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 
 from ..events import Event
+from ..metric_names import ACT, ATTN, QK_CLIP, metric, path_of
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
@@ -154,13 +155,13 @@ class DriftDetector(Detector):
         log_v = ctx.log_vocab
         self.rules: dict[str, DriftRule] = {}
         for path in ctx.attention_paths:
-            for name in (f"attn/{path}/max_logit", f"qk_clip/{path}/max_logit"):
+            for name in (metric(ATTN, path, "max_logit"), metric(QK_CLIP, path, "max_logit")):
                 self.rules[name] = DriftRule("attn_logit", "log", c.attn_logit_level, c.attn_logit_growth)
         self.clipped: set[str] = set()
         """Attention modules with qk_clip on: their logit drift is not judged (see the module docstring)."""
         self.rules["logits/logz_mean"] = DriftRule("logz", "offset", c.logz_level, c.logz_change, log_v)
         for path in ctx.block_paths:
-            self.rules[f"act/{path}/rms"] = DriftRule(
+            self.rules[metric(ACT, path, "rms")] = DriftRule(
                 "residual", "log", c.residual_level, c.residual_growth, relative_level=True
             )
         self.series: dict[str, DriftSeries] = {}
@@ -180,7 +181,7 @@ class DriftDetector(Detector):
         """attn_logit_growth, logz_drift, or residual growth by the block's norm placement."""
         family = event.details.get("family")
         if family == "residual":
-            block = self.ctx.block_of(event.where[4:].rsplit("/", 1)[0])
+            block = self.ctx.block_of(path_of(event.where))
             return "residual_growth_post" if block and block.placement == "post" else "residual_growth_pre"
         return "logz_drift" if family == "logz" else "attn_logit_growth"
 
@@ -193,10 +194,10 @@ class DriftDetector(Detector):
         rule = self.rules.get(name)
         if rule is None or not math.isfinite(x):
             return None
-        if name.startswith("qk_clip/"):
-            self.clipped.add(name[len("qk_clip/") : -len("/max_logit")])
+        if name.startswith(QK_CLIP + "/"):
+            self.clipped.add(path_of(name))
             return None
-        if rule.family == "attn_logit" and name[len("attn/") : -len("/max_logit")] in self.clipped:
+        if rule.family == "attn_logit" and path_of(name) in self.clipped:
             return None
         s = self.series.get(name)
         if s is None:

@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..events import Event
+from ..metric_names import path_of, stat_of
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
@@ -114,7 +115,7 @@ class OutlierDetector(Detector):
 
     def signature(self, event: Event) -> str:
         """The rule's signature (by the series' statistic)."""
-        return RULES[event.where.rsplit("/", 1)[-1]][0]
+        return RULES[stat_of(event.where)][0]
 
     def _condition(self, stat: str, x: float, start: float) -> tuple[bool, float]:
         """(condition met, the level that applies)."""
@@ -134,7 +135,7 @@ class OutlierDetector(Detector):
         for name, x in values.items():
             if x != x or x in (float("inf"), float("-inf")):
                 continue  # non-finite: the non-finite detector's business
-            stat = name.rsplit("/", 1)[-1]
+            stat = stat_of(name)
             if stat not in RULES:
                 continue
             s = self.series.setdefault(name, _Series())
@@ -157,7 +158,7 @@ class OutlierDetector(Detector):
     def _event(
         self, step: int, name: str, stat: str, x: float, level: float, start: float, since: int
     ) -> Event:
-        where = name.split("/", 1)[1].rsplit("/", 1)[0]
+        where = path_of(name)
         what = {
             "massive_ratio": f"massive activations in {where}: a token's largest |x| is {x:.4g}× its median",
             "first_key_mass": f"attention sink growing in {where}: a head puts {x:.0%} of its attention on the first key",

@@ -54,6 +54,7 @@ from typing import Any, ClassVar
 
 from ..events import Event
 from ..learning_rate import LR_SERIES
+from ..metric_names import GRAD, UPDATE, parse
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
@@ -212,10 +213,11 @@ class SpikeDetector(Detector):
     def signature(self, event: Event) -> str:
         """update_spike / grad_spike (early_grad_blowup_post in an early post-norm block) / loss_spike."""
         name = event.where
-        if name.startswith("update/"):
+        parsed = parse(name)
+        if parsed is not None and parsed.family == UPDATE:
             return "update_spike"
-        if name.startswith("grad/"):
-            block = self.ctx.block_of(name[5:].rsplit("/", 1)[0])
+        if parsed is not None and parsed.family == GRAD:
+            block = self.ctx.block_of(parsed.path)
             early = block is not None and block.index < max(1, len(self.ctx.blocks) // 2)
             return (
                 "early_grad_blowup_post"

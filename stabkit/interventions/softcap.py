@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .. import metric_names as names
 from ..attention import kernels
 from ..attention.math import SDPAArgs
 from ..attention.scope import SDPA, Handler, attach_scope
@@ -254,7 +255,7 @@ class AttnSoftcapIntervention(Intervention):
         check_capped(ATTN, handle)
 
     def midrun_options(self, metrics: Mapping[str, float], margin: float) -> dict[str, Any]:
-        seen = [v for k, v in metrics.items() if k.startswith("attn/") and k.endswith("/max_logit")]
+        seen = [v for k, v in metrics.items() if names.is_stat(k, names.ATTN, "max_logit")]
         return _cap_at_switch(AttnSoftcapOptions().cap, seen, margin)
 
 

@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, plain
+from ..metric_names import ACT, metric
 from ..stats.opaque import TENSOR_COMBINES, tensor_values
 from ..stats.recorder import Reduction
 from ..stats.tensor_batch import TensorReductions, by_device, finish_tensors, reduce_tensor
@@ -54,7 +55,7 @@ class ActivationProbe(Probe):
             self.handles.append(ctx.hooks.forward(self.name, modules[path], self._make_hook(path)))
 
     def _make_hook(self, path: str) -> Any:
-        names = (f"act/{path}/rms", f"act/{path}/absmax", f"act/{path}/nonfinite")
+        names = (metric(ACT, path, "rms"), metric(ACT, path, "absmax"), metric(ACT, path, "nonfinite"))
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ctx = self.ctx

@@ -70,6 +70,7 @@ from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
 from ..discovery.modelmap import OPAQUE
 from ..hooks import hook_warning
+from ..metric_names import ATTN, metric
 from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
 from .attention_op import layout, measured, opaque_ok, summary_values
@@ -289,7 +290,7 @@ class AttentionProbe(Probe):
             phase.gate if gated else -1,
             every,
         )
-        names = tuple(f"attn/{path}/{name}" for name, _, _ in entries)
+        names = tuple(metric(ATTN, path, name) for name, _, _ in entries)
         combines = tuple(c for _, c, _ in entries)
         reductions = tuple(r for _, _, r in entries)
         ctx.recorder.add_packed(names, combines, reductions, vector, every=every if gated else None)
@@ -308,7 +309,7 @@ class AttentionProbe(Probe):
         values = summary_values(stats, seen_capped, applied_cap, per_head)  # (C,) each
         rec = ctx.recorder
         for (name, combine, reduction), value in zip(entries, values, strict=True):
-            names = tuple(f"attn/{path}/{name}" for path, _ in calls)
+            names = tuple(metric(ATTN, path, name) for path, _ in calls)
             rec.add_vector(names, value, combine=combine, reduction=reduction)
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:

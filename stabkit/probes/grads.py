@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ..distributed import DistContext, is_dtensor, like_param, local
+from ..metric_names import GRAD, PARAM, UPDATE, metric
 from ..stats import foreach_norm_f32, l2_of_norms
 from ..stats.step_facts import FiniteSeen
 from .base import Probe, ProbeContext, guarded
@@ -101,6 +102,11 @@ class GradProbe(Probe):
         self.want_update = "update" in fam and ctx.optimizer is not None
         self.names, self.params, units = parameter_units(ctx.model, ctx.model_map.block_of)
         self.unit_names = list(dict.fromkeys(units))
+        # names built once per layout, not per sampled step
+        self.unit_metric = {
+            (family, stat): [metric(family, u, stat) for u in self.unit_names]
+            for family, stat in ((PARAM, "norm"), (GRAD, "norm"), (UPDATE, "ratio"), (UPDATE, "norm"))
+        }
         self.unit_index = [self.unit_names.index(u) for u in units]
         self.group_of: list[int] = [-1] * len(self.params)
         if ctx.optimizer is not None:
@@ -187,7 +193,7 @@ class GradProbe(Probe):
             norms = self._scaled(with_grad, norms)
             if self.want_param:
                 for u, value in self._per_unit(with_grad, norms):
-                    ctx.recorder.add(f"param/{self.unit_names[u]}/norm", value, reduction="l2")
+                    ctx.recorder.add(self.unit_metric[PARAM, "norm"][u], value, reduction="l2")
             if self.want_update:
                 self._snapshot = None if self.closed_form else [t.clone() for t in tensors]
                 self._snapshot_idx = with_grad
@@ -212,7 +218,7 @@ class GradProbe(Probe):
             return
         for u, value in self._per_unit([i for i, _ in present], [n for _, n in present]):
             rec.add(
-                f"grad/{self.unit_names[u]}/norm",
+                self.unit_metric[GRAD, "norm"][u],
                 value if unscale is None else value * unscale,
                 reduction="l2",
             )
@@ -259,9 +265,8 @@ class GradProbe(Probe):
         deltas = self._scaled(idx, deltas)
         old = dict(self._per_unit(idx, self._old_norms))
         for u, delta in self._per_unit(idx, deltas):
-            unit = self.unit_names[u]
-            self._record_ratio(f"update/{unit}/ratio", delta, old[u])
-            ctx.recorder.add(f"update/{unit}/norm", delta, reduction="l2")
+            self._record_ratio(self.unit_metric[UPDATE, "ratio"][u], delta, old[u])
+            ctx.recorder.add(self.unit_metric[UPDATE, "norm"][u], delta, reduction="l2")
         total = l2_of_norms(deltas)
         self._record_ratio("update/global_ratio", total, l2_of_norms(self._old_norms))
         ctx.recorder.add("update/norm", total, reduction="l2")

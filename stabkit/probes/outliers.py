@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, local
+from ..metric_names import ACT, metric
 from ..stats.opaque import OUTLIER_COMBINES, outlier_values
 from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
@@ -55,7 +56,7 @@ class OutlierProbe(Probe):
             self.handles.append(ctx.hooks.forward(self.name, module, self._make_hook(path)))
 
     def _make_hook(self, path: str) -> Any:
-        names = tuple(f"act/{path}/{s}" for s in STATS)
+        names = tuple(metric(ACT, path, s) for s in STATS)
 
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ctx = self.ctx

@@ -6,6 +6,7 @@ import sys
 from typing import Any, TextIO
 
 from ..events import Event, severity_rank
+from ..metric_names import ACT, ATTN, is_stat
 from .audit_console import audit_block
 
 HEADLINE = (
@@ -21,11 +22,11 @@ def summary_line(step: int, values: dict[str, float]) -> str:
     for key, label in HEADLINE:
         if key in values:
             parts.append(f"{label} {values[key]:.4g}")
-    acts = {k: v for k, v in values.items() if k.startswith("act/") and k.endswith("/absmax")}
+    acts = {k: v for k, v in values.items() if is_stat(k, ACT, "absmax")}
     if acts:
         worst = max(acts, key=lambda k: acts[k] if acts[k] == acts[k] else float("inf"))
         parts.append(f"act max {acts[worst]:.4g} ({worst[4:-7]})")
-    attn = {k: v for k, v in values.items() if k.startswith("attn/") and k.endswith("/max_logit")}
+    attn = {k: v for k, v in values.items() if is_stat(k, ATTN, "max_logit")}
     if attn:
         parts.append(f"attn logit max {max(attn.values()):.4g}")
     return "[stabkit] " + " | ".join(parts)

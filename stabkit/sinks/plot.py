@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..events import SEVERITIES, severity_rank
+from ..metric_names import path_of
 from .reader import Run
 
 SEVERITY_COLORS = {"info": "#17becf", "warning": "#ff7f0e", "critical": "#d62728"}
@@ -153,7 +154,7 @@ def attention(run: Run) -> tuple[str, list[tuple[str, bool]]]:
     top, names = largest(run, "attn/", "/max_logit")
     if not top:
         return "", []
-    layer = top[len("attn/") : -len("/max_logit")]
+    layer = path_of(top)
     head, _ = largest(run, f"attn/{layer}/head.", "/max_logit")
     label = layer + (f" head {head.split('/head.')[1].split('/')[0]}" if head else "")
     return label, [(n, n == top) for n in names]
@@ -162,7 +163,7 @@ def attention(run: Run) -> tuple[str, list[tuple[str, bool]]]:
 def activations(run: Run) -> tuple[str, list[tuple[str, bool]]]:
     """The block whose activation RMS is the largest logged (the other blocks behind it)."""
     top, names = largest(run, "act/", "/rms", top_level=True)
-    return top[len("act/") : -len("/rms")], [(n, n == top) for n in names]
+    return path_of(top), [(n, n == top) for n in names]
 
 
 def events_panel(ax: Any, runs: Sequence[Run], limit: int = 10) -> None:
