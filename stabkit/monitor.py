@@ -303,14 +303,10 @@ class Monitor:
         if example is not None and model_map is None:
             inspect_model(self.model, example=example)  # trace once now: the interventions reuse the map
         handle = apply_many(self.model, specs, model_map, example)
-        if self.optimizer is not None:  # fixes acting after optimizer steps (qk_clip) watch it
-            from .interventions import attach_optimizer
+        from .interventions import join_optimizer
 
-            attach_optimizer(handle, self.optimizer)
-        new = handle.new_parameters()
-        if new and self.optimizer is not None:
-            self.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
-            group = self.optimizer.param_groups[-1]
+        group = join_optimizer(handle, self.optimizer)
+        if group is not None:
             handle.on_remove(lambda: self._drop_group(group))
         return handle
 

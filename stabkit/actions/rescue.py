@@ -239,7 +239,7 @@ class Rescue(Action):
         plugin = INTERVENTIONS.load(fix)()
         options = plugin.midrun_options(ctx.metrics(), self.options.cap_margin)
         options.update(self.options.fix_options.get(fix, {}))
-        from ..interventions import InterventionError, apply
+        from ..interventions import InterventionError, apply, join_optimizer
 
         try:
             handle = apply(ctx.model, fix, **options)
@@ -247,12 +247,9 @@ class Rescue(Action):
             refused.append(f"{fix}: {exc}")
             return None
         self.handles.append(handle)
-        if ctx.optimizer is not None:  # a fix acting after optimizer steps (qk_clip) watches the optimizer
-            plugin.attach_optimizer(handle, ctx.optimizer, ctx.record)
         new = handle.new_parameters()
         plugin.match_at_switch(ctx.model, handle, lambda: _outputs(ctx.model, inputs))
-        if new and ctx.optimizer is not None:
-            ctx.optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+        join_optimizer(handle, ctx.optimizer, ctx.record)  # qk_clip watches it; new gains join it
         # the snapshots so far are of the model without the fix: a later rescue must not restore
         # them (they miss its parameters); the next ones cover them and their optimizer state
         self.snapshots = SnapshotStore.for_config(ctx.model, ctx.optimizer, ctx.config)

@@ -17,6 +17,7 @@ from .registry import (
     apply_many,
     attach_optimizer,
     describe_registry,
+    join_optimizer,
 )
 from .softcap_eager import capped_scores
 from .zloss import z_loss
@@ -38,6 +39,7 @@ __all__ = [
     "check_options",
     "choices",
     "describe_registry",
+    "join_optimizer",
     "qk_norm_logit_bound",
     "qk_norm_logit_bounds",
     "z_loss",

@@ -237,6 +237,26 @@ def attach_optimizer(
                 plugin(name)().attach_optimizer(part, optimizer, record, hooks)
 
 
+def join_optimizer(
+    handle: Handle, optimizer: Any, record: Callable[[str, Any], None] | None = None
+) -> dict[str, Any] | None:
+    """Wire switched-on interventions into an optimizer that already exists — the one place that does
+    it (`attach(..., interventions=)`, the rescue action): those that act after optimizer steps
+    (``qk_clip``) watch it (`attach_optimizer`), and the parameters they added (norm gains) join it as
+    one new param group without weight decay. Returns that group (None when none was added), so the
+    caller can take it out again (`Monitor` does at detach). An optimizer built after `apply` already
+    holds the new parameters: call `attach_optimizer` alone then (the recipes' worker does)."""
+    if optimizer is None:
+        return None
+    attach_optimizer(handle, optimizer, record)
+    new = handle.new_parameters()
+    if not new:
+        return None
+    optimizer.add_param_group({"params": new, "weight_decay": 0.0})
+    group: dict[str, Any] = optimizer.param_groups[-1]
+    return group
+
+
 def apply(
     model: nn.Module,
     name: str | Iterable[Spec] | Mapping[str, Mapping[str, Any]],
