@@ -45,9 +45,9 @@ def lead_time_command(
     import torch
 
     from ..harness.recipes import list_recipe_files, preflight
-    from ..harness.recipes.arch import RecipeNotApplicable
-    from ..harness.recipes.leadtime import format_table
-    from ..harness.recipes.seeds import TABLE_JSON, run_label, run_seeds, seed_recipe
+    from ..harness.recipes.science.leadtime import format_table
+    from ..harness.recipes.science.seeds import TABLE_JSON, run_label, run_seeds, seed_recipe
+    from ..harness.recipes.spec.arch import RecipeNotApplicable
 
     names = list(recipes) or [p.stem for p in list_recipe_files()]
     spec = model_spec(model, model_option)

@@ -34,8 +34,8 @@ def kernels_text() -> str:
 
 def recipes_text() -> str:
     """Each recipe with its description and what each size is expected to show."""
-    from ..harness.recipes.errors import RecipeError
-    from ..harness.recipes.loader import list_recipe_files, read_toml
+    from ..harness.recipes.spec.errors import RecipeError
+    from ..harness.recipes.spec.loader import list_recipe_files, read_toml
 
     lines = []
     for path in list_recipe_files():

@@ -62,7 +62,7 @@ def reading(label: str, paths: Sequence[Path]) -> Iterator[Phase | None]:
 )
 def report_command(logdir: str, max_events: int, members: bool, plot_path: str | None) -> None:
     """Summarise LOGDIR: a `stabkit run` / `stabkit sweep` output folder, or one monitored run's logdir."""
-    from ..harness.recipes.report import (
+    from ..harness.recipes.results.report import (
         event_log,
         footer,
         load_run,
@@ -72,7 +72,7 @@ def report_command(logdir: str, max_events: int, members: bool, plot_path: str |
         sweep_tables,
         verdict_lines,
     )
-    from ..harness.recipes.report_incidents import incidents_text
+    from ..harness.recipes.results.report_incidents import incidents_text
     from .plot_run import need_matplotlib, plot_report
 
     if plot_path is not None:

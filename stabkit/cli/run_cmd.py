@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from ..harness.launch import Relaunched
     from ..harness.models.spec import ModelSpec
     from ..harness.recipes import Recipe
-    from ..harness.recipes.summary import Summary
+    from ..harness.recipes.results.summary import Summary
 
 
 def resolve_device(device: str) -> str:
@@ -147,7 +147,7 @@ def load_to_train(
     its own step count when --steps changed it. A recipe the model cannot take ends the command here
     (`not_applicable`)."""
     from ..harness.recipes import load_recipe, preflight
-    from ..harness.recipes.arch import RecipeNotApplicable
+    from ..harness.recipes.spec.arch import RecipeNotApplicable
 
     spec = model_spec(model, model_option)
     try:
@@ -237,7 +237,7 @@ def run_command(
     from ..distributed import launched_by_torchrun
     from ..harness.launch import relaunch
     from ..harness.recipes import run_recipe
-    from ..harness.recipes.ddp import check_split
+    from ..harness.recipes.run.ddp import check_split
 
     world = int(os.environ.get("WORLD_SIZE", "1")) if launched_by_torchrun() else 1
     if world > 1 and nproc not in (None, world):
@@ -321,7 +321,7 @@ def relaunched_exit_code(outcome: Relaunched) -> int:
 
 def print_results(summary: Summary, out_dir: Path) -> None:
     """The results table, the verdicts, notes and where the logs are."""
-    from ..harness.recipes.report import footer, results_legend, results_table, verdict_lines
+    from ..harness.recipes.results.report import footer, results_legend, results_table, verdict_lines
 
     notes = sorted({n for r in summary.variants.values() for n in r.get("notes", [])})
     click.echo("")

@@ -97,7 +97,14 @@ def scale_command(
     import torch
 
     from ..harness.recipes import load_recipe, preflight
-    from ..harness.recipes.widths import SCALE, at_width, planned_runs, run_key, run_widths, scaled_variants
+    from ..harness.recipes.science.widths import (
+        SCALE,
+        at_width,
+        planned_runs,
+        run_key,
+        run_widths,
+        scaled_variants,
+    )
 
     fit_widths = parse_widths(widths, "--widths")
     if len(fit_widths) < 2:
@@ -156,7 +163,7 @@ def scale_command(
 
 def scale_lines(report: object) -> str:
     """The measured crossings per width and variant, the law, the predictions and the check."""
-    from ..harness.recipes.widths import ScaleReport
+    from ..harness.recipes.science.widths import ScaleReport
 
     assert isinstance(report, ScaleReport)
     lines = []

@@ -65,8 +65,8 @@ def sweep_command(
     import torch
 
     from ..harness.recipes import run_sweep
-    from ..harness.recipes.report import sweep_tables, verdict_lines
-    from ..harness.recipes.sweep import SWEPT
+    from ..harness.recipes.results.report import sweep_tables, verdict_lines
+    from ..harness.recipes.science.sweep import SWEPT
 
     grid = parse_lrs(lrs)
     loaded, original = load_to_train(recipe, size, steps, seed, data, model, model_option)

@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from ..distributed import DistContext
-from .recipes.signals import SigtermStop
-from .recipes.summary import Summary
+from .recipes.results.summary import Summary
+from .recipes.run.signals import SigtermStop
 
 RELAUNCHED = "STABKIT_RUN_NPROC_PARENT"
 """Set by `stabkit run --nproc N` in the environment of the ranks it starts: rank 0 then exits 0

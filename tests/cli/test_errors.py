@@ -18,7 +18,7 @@ import stabkit.cli.app
 from stabkit.cli import main
 from stabkit.cli.run_cmd import header
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes.loader import builtin_dir
+from stabkit.harness.recipes.spec.loader import builtin_dir
 
 BUILTIN = builtin_dir()
 RECIPE = (BUILTIN / "attention-logit-growth.toml").read_text()
@@ -142,7 +142,7 @@ def test_an_unknown_recipe_name_exits_2_naming_the_builtins(stabkit_cli: Stabkit
 
 
 def test_list_recipes_lists_the_builtins(tmp_path: Path) -> None:
-    from stabkit.harness.recipes.loader import builtin_recipes
+    from stabkit.harness.recipes.spec.loader import builtin_recipes
 
     result = CliRunner().invoke(main, ["list", "recipes"], standalone_mode=False)
     assert result.exit_code == 0, result.output

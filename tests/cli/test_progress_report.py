@@ -13,8 +13,8 @@ from click.testing import CliRunner
 
 import stabkit.cli.report_cmd as report_cmd
 from stabkit.cli import main
-from stabkit.harness.recipes import report
-from stabkit.harness.recipes.measures import best_smoothed
+from stabkit.harness.recipes.results import report
+from stabkit.harness.recipes.results.measures import best_smoothed
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 

@@ -18,7 +18,7 @@ import stabkit.cli.demo_cmd  # registers the commands
 import stabkit.cli.report_cmd
 from stabkit.cli import main
 from stabkit.cli.plot_run import plot_report
-from stabkit.harness.recipes.report import load_run as load_summary
+from stabkit.harness.recipes.results.report import load_run as load_summary
 from stabkit.sinks.plot import SEVERITY_COLORS
 
 SPIKE = 24

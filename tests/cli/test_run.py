@@ -13,8 +13,8 @@ from cli_process import StabkitCLI, logged, wait_until
 from click.testing import CliRunner
 
 from stabkit.cli import main
-from stabkit.harness.recipes.loader import builtin_dir
-from stabkit.harness.recipes.sweep import lr_sensitivity
+from stabkit.harness.recipes.science.sweep import lr_sensitivity
+from stabkit.harness.recipes.spec.loader import builtin_dir
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 BUILTIN = builtin_dir()
@@ -171,7 +171,7 @@ def test_data_flag_trains_on_the_users_text(tmp_path: Path, stabkit_cli: Stabkit
     assert code == 0, output
     s = json.loads((out / "summary.json").read_text())
     assert s["data"] == str(text)
-    from stabkit.harness.recipes.measures import bigram_loss
+    from stabkit.harness.recipes.results.measures import bigram_loss
 
     assert s["variants"]["baseline"]["bigram_loss"] == pytest.approx(bigram_loss(str(text)))
     assert s["variants"]["baseline"]["bigram_loss"] < 1.0  # a repetitive text: far below the embedded 2.317

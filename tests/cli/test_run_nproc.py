@@ -25,9 +25,9 @@ from stabkit.cli import main
 from stabkit.distributed import DistContext
 from stabkit.harness.data import load_corpus
 from stabkit.harness.recipes import load_recipe, run_recipe
-from stabkit.harness.recipes.ddp import RankRows
-from stabkit.harness.recipes.run_result import RunResult
-from stabkit.harness.recipes.worker import Job, run_job
+from stabkit.harness.recipes.results.run_result import RunResult
+from stabkit.harness.recipes.run.ddp import RankRows
+from stabkit.harness.recipes.run.worker import Job, run_job
 from stabkit.sinks import LOG_NAME, read_jsonl
 
 FIRST_STEPS = 5
@@ -143,7 +143,7 @@ def test_only_rank_0_writes_the_summary(tmp_path: Path, monkeypatch: pytest.Monk
             on_result(job, RunResult(job.variant, job.name, job.logdir, "done", role="baseline"))
         return False
 
-    monkeypatch.setattr("stabkit.harness.recipes.runner.execute", fake_execute)
+    monkeypatch.setattr("stabkit.harness.recipes.run.runner.execute", fake_execute)
     summary = run_recipe(recipe, tmp_path, workers=2, dist=DistContext(True, rank, 2))
     assert summary.complete is True and summary.processes == 2
     assert seen == [(True, 1)] * len(recipe.variants)  # data-parallel jobs, one at a time

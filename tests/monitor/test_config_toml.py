@@ -79,8 +79,8 @@ def test_a_missing_file_is_a_file_not_found_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("name", ["attention-logit-growth", "muon-logit-growth"])
 def test_the_same_monitor_settings_as_the_recipe_runner(name: str) -> None:
-    from stabkit.harness.recipes.loader import read_toml
-    from stabkit.harness.recipes.schema import parse_monitor
+    from stabkit.harness.recipes.spec.loader import read_toml
+    from stabkit.harness.recipes.spec.schema import parse_monitor
 
     path = RECIPES / f"{name}.toml"
     runner = parse_monitor(read_toml(path)["monitor"])

@@ -83,7 +83,7 @@ def test_monitor_logdir_names_the_run_folder(tmp_path: Path) -> None:
 def test_report_lists_each_run_of_a_logdir_separately(tmp_path: Path) -> None:
     train(tmp_path, 4, seed=1)
     train(tmp_path, 6, seed=2)
-    from stabkit.harness.recipes.report import load_run
+    from stabkit.harness.recipes.results.report import load_run
 
     summary = load_run(tmp_path)
     runs = summary.variants

@@ -2,7 +2,7 @@
 spikes) and the failing recipes' baselines over seeds, tabulated per detector kind (`stats.table`).
 
 Runs in the CLI's process once per command: corpus runs go to `parallel.run_jobs`, recipes to the
-seeds sweep of `stabkit lead-time` (`stabkit.harness.recipes.seeds.run_seeds`, whose finished runs
+seeds sweep of `stabkit lead-time` (`stabkit.harness.recipes.science.seeds.run_seeds`, whose finished runs
 under ``<out>/recipes`` are read back instead of trained again). Writes ``<out>/alarms.json`` and
 ``<out>/alarms.md``.
 """
@@ -159,8 +159,8 @@ def recipe_runs(
 ) -> tuple[list[LostRun], list[dict[str, Any]]]:
     """Train the recipes' baselines and references over seeds (`stabkit lead-time`'s sweep) and read
     back: each lost baseline run (`leadtime.lost_step`) and each reference run as a healthy outcome."""
-    from ..recipes.leadtime import lost_step
-    from ..recipes.seeds import run_seeds
+    from ..recipes.science.leadtime import lost_step
+    from ..recipes.science.seeds import run_seeds
 
     run_seeds(
         list(plan.recipes), range(plan.seeds), out, steps=plan.recipe_steps, workers=plan.workers,

@@ -9,7 +9,7 @@ Definitions (events are dicts with at least ``step``, ``kind`` and ``severity``)
   1000 optimizer steps of those runs.
 - **planted spike found**: a warning whose step lies in ``[s, s + SPIKE_TOLERANCE]`` for a spike
   planted at step ``s``; the first such event (lowest step, then list order) names the kind that found it.
-- **lost run warned**: for a recipe's lost baseline run (`stabkit.harness.recipes.leadtime.lost_step`),
+- **lost run warned**: for a recipe's lost baseline run (`stabkit.harness.recipes.science.leadtime.lost_step`),
   its first warning (any kind); lead time = lost step − warning step, warned in time when ≥ 0.
   Per kind, the kind's own first warning on that run gives its lead time.
 """

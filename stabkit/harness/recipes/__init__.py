@@ -7,7 +7,7 @@
 judges them; ``run_sweep`` draws LR-sensitivity curves (Wortsman et al. 2023 §2.2).
 
 The names below load with their submodule on first use (PEP 562): listing and reading recipe files
-(`stabkit.harness.recipes.loader`) does not import torch.
+(`stabkit.harness.recipes.spec.loader`) does not import torch.
 """
 
 from __future__ import annotations
@@ -17,28 +17,28 @@ from typing import TYPE_CHECKING
 from ...lazy import lazy_names
 
 if TYPE_CHECKING:
-    from .checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check
-    from .errors import RecipeError
-    from .loader import find_recipe, list_recipe_files, load_recipe
-    from .recipe import Recipe, VariantSpec
-    from .runner import SUMMARY, preflight, run_recipe
-    from .sweep import lr_sensitivity, run_sweep
+    from .run.runner import SUMMARY, preflight, run_recipe
+    from .science.sweep import lr_sensitivity, run_sweep
+    from .spec.checks import RUN_QUANTITIES, SWEEP_QUANTITIES, Check
+    from .spec.errors import RecipeError
+    from .spec.loader import find_recipe, list_recipe_files, load_recipe
+    from .spec.recipe import Recipe, VariantSpec
 
 _LAZY = {
-    "RUN_QUANTITIES": "checks",
-    "SWEEP_QUANTITIES": "checks",
-    "Check": "checks",
-    "RecipeError": "errors",
-    "find_recipe": "loader",
-    "list_recipe_files": "loader",
-    "load_recipe": "loader",
-    "Recipe": "recipe",
-    "VariantSpec": "recipe",
-    "SUMMARY": "runner",
-    "preflight": "runner",
-    "run_recipe": "runner",
-    "lr_sensitivity": "sweep",
-    "run_sweep": "sweep",
+    "RUN_QUANTITIES": "spec.checks",
+    "SWEEP_QUANTITIES": "spec.checks",
+    "Check": "spec.checks",
+    "RecipeError": "spec.errors",
+    "find_recipe": "spec.loader",
+    "list_recipe_files": "spec.loader",
+    "load_recipe": "spec.loader",
+    "Recipe": "spec.recipe",
+    "VariantSpec": "spec.recipe",
+    "SUMMARY": "run.runner",
+    "preflight": "run.runner",
+    "run_recipe": "run.runner",
+    "lr_sensitivity": "science.sweep",
+    "run_sweep": "science.sweep",
 }
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import stabkit.harness.recipes.seeds as seeds
+import stabkit.harness.recipes.science.seeds as seeds
 from stabkit.harness.alarms.bench import BenchPlan, loss_fell, planted_spikes, quick_plan, recipe_runs
 from stabkit.harness.alarms.corpus import select
 from stabkit.harness.alarms.runner import Spike

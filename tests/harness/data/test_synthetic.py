@@ -12,8 +12,8 @@ import torch
 from stabkit.harness.data import SyntheticCorpus, SyntheticSpec, load_corpus
 from stabkit.harness.data.synthetic import sample_entropy, zipf_exponent
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes.errors import RecipeError
-from stabkit.harness.recipes.measures import _sparse_bigram_loss, bigram_loss
+from stabkit.harness.recipes.results.measures import _sparse_bigram_loss, bigram_loss
+from stabkit.harness.recipes.spec.errors import RecipeError
 
 
 @pytest.mark.parametrize(
@@ -78,7 +78,7 @@ def test_sparse_bigram_loss_equals_the_dense_one() -> None:
 
 
 def test_a_recipe_trains_on_the_synthetic_language(tmp_path: Path) -> None:
-    from stabkit.harness.recipes.worker import Job, run_job
+    from stabkit.harness.recipes.run.worker import Job, run_job
 
     path = tmp_path / "zipf.toml"
     path.write_text(

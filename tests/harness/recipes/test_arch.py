@@ -1,4 +1,4 @@
-"""A recipe on a model the project did not write (stabkit/harness/recipes/arch.py, --model): the GPT's
+"""A recipe on a model the project did not write (stabkit/harness/recipes/spec/arch.py, --model): the GPT's
 switches become interventions or skip what cannot apply, with the reason; the fault finds its place by
 discovery; the run trains the user's model."""
 
@@ -11,8 +11,8 @@ import pytest
 
 from stabkit.harness.models.spec import parse_model_spec
 from stabkit.harness.recipes import load_recipe, preflight, run_recipe
-from stabkit.harness.recipes.arch import RecipeNotApplicable
-from stabkit.harness.recipes.faults import fault_module
+from stabkit.harness.recipes.run.faults import fault_module
+from stabkit.harness.recipes.spec.arch import RecipeNotApplicable
 
 LLAMA = parse_model_spec("hf:llama")
 
@@ -89,8 +89,8 @@ def test_nan_injection_on_llama_is_found_and_localized(tmp_path: Path) -> None:
 
 
 def test_a_recipe_file_names_its_model_in_its_model_table(tmp_path: Path) -> None:
-    from stabkit.harness.recipes.errors import RecipeError
-    from stabkit.harness.recipes.loader import builtin_dir
+    from stabkit.harness.recipes.spec.errors import RecipeError
+    from stabkit.harness.recipes.spec.loader import builtin_dir
 
     text = (builtin_dir() / "attention-logit-growth.toml").read_text()
     table = '[model]\nspec = "hf:mixtral"\nnorm_placement = "pre"\n\n[model.options]\nnum_local_experts = 4\n'

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from stabkit.harness.recipes.leadtime import (
+from stabkit.harness.recipes.science.leadtime import (
     first_warning,
     format_table,
     lead_row,
@@ -19,7 +19,7 @@ from stabkit.harness.recipes.leadtime import (
     recipe_runs,
     run_lead,
 )
-from stabkit.harness.recipes.seeds import run_seeds, seed_recipe
+from stabkit.harness.recipes.science.seeds import run_seeds, seed_recipe
 
 BIGRAM = 2.317
 
@@ -189,8 +189,8 @@ def test_a_second_sweep_reads_finished_runs_back(nan_sweep: tuple[Path, Any]) ->
 def test_the_held_out_curve_does_not_change_training(tmp_path: Path) -> None:
     from dataclasses import replace
 
-    from stabkit.harness.recipes.job import Job
-    from stabkit.harness.recipes.worker import run_job
+    from stabkit.harness.recipes.run.job import Job
+    from stabkit.harness.recipes.run.worker import run_job
 
     recipe = seed_recipe("attention-logit-growth", "tiny", 0, steps=12)
     ref = recipe.variant("reference")

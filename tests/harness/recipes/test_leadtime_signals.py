@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stabkit.harness.recipes.seeds import run_seeds
+from stabkit.harness.recipes.science.seeds import run_seeds
 
 
 def test_post_norm_without_warmup_is_warned_at_init_and_its_reference_is_quiet(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from stabkit.harness.recipes import load_recipe, run_recipe
-from stabkit.harness.recipes.worker import build
+from stabkit.harness.recipes.run.worker import build
 from stabkit.harness.training import Callbacks, train
 
 STEPS, LR = 20, 0.45

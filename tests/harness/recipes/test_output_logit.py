@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes.worker import Job, run_job
+from stabkit.harness.recipes.run.worker import Job, run_job
 
 STEPS = 150
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from stabkit.harness.recipes.loader import (
+from stabkit.harness.recipes.spec.loader import (
     BUILTIN_PACKAGE,
     builtin_dir,
     builtin_recipes,
@@ -159,7 +159,7 @@ def test_a_wheel_install_lists_and_runs_the_recipes_by_name(tmp_path: Path) -> N
         [
             str(python),
             "-c",
-            "import stabkit; from stabkit.harness.recipes.loader import find_recipe, load_recipe\n"
+            "import stabkit; from stabkit.harness.recipes.spec.loader import find_recipe, load_recipe\n"
             "print(stabkit.__file__); print(find_recipe('loss-spike')); print(load_recipe('loss-spike').name)",
         ],
         elsewhere,

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import math
 
-from stabkit.harness.recipes.columns import MEANINGS, legend, shown
-from stabkit.harness.recipes.report import results_legend, results_table
-from stabkit.harness.recipes.summary import Summary
+from stabkit.harness.recipes.results.columns import MEANINGS, legend, shown
+from stabkit.harness.recipes.results.report import results_legend, results_table
+from stabkit.harness.recipes.results.summary import Summary
 
 LOGGED = {"final_loss": 2.5, "best_loss": 2.4, "max_attn_logit": 12.0, "max_logz": 4.0,
           "first_event_step": math.nan, "first_event_kind": "", "status": "logged"}  # fmt: skip

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from stabkit.harness.recipes.report_incidents import incidents_text
-from stabkit.harness.recipes.summary import Summary
+from stabkit.harness.recipes.results.report_incidents import incidents_text
+from stabkit.harness.recipes.results.summary import Summary
 
 
 def event(step: int, where: str, incident: int | None, advice: str = "lower the LR") -> dict[str, Any]:

@@ -10,9 +10,9 @@ import pytest
 from click.testing import CliRunner
 
 from stabkit.harness.recipes import RecipeError, load_recipe, run_recipe
-from stabkit.harness.recipes.loader import builtin_dir
-from stabkit.harness.recipes.rescue import RESCUE_TOLERANCE, rescue_kinds, rescue_quantities, with_rescue
-from stabkit.harness.recipes.summary import Summary
+from stabkit.harness.recipes.results.summary import Summary
+from stabkit.harness.recipes.spec.loader import builtin_dir
+from stabkit.harness.recipes.spec.rescue import RESCUE_TOLERANCE, rescue_kinds, rescue_quantities, with_rescue
 
 
 def test_rescue_kinds_are_those_whose_advice_names_a_midrun_fix() -> None:

@@ -11,11 +11,11 @@ from pathlib import Path
 import pytest
 
 from stabkit.harness.recipes import load_recipe, run_recipe
-from stabkit.harness.recipes.depth import depth_sweep
-from stabkit.harness.recipes.measures import aggregate
-from stabkit.harness.recipes.schema import DepthSpec
-from stabkit.harness.recipes.summary import Summary
-from stabkit.harness.recipes.worker import Job, run_job
+from stabkit.harness.recipes.results.measures import aggregate
+from stabkit.harness.recipes.results.summary import Summary
+from stabkit.harness.recipes.run.depth import depth_sweep
+from stabkit.harness.recipes.run.worker import Job, run_job
+from stabkit.harness.recipes.spec.schema import DepthSpec
 from stabkit.sinks import LOG_NAME, read_jsonl
 from stabkit.sinks.jsonl import json_safe
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes.run_result import RunResult
-from stabkit.harness.recipes.worker import Job, run_job
+from stabkit.harness.recipes.results.run_result import RunResult
+from stabkit.harness.recipes.run.worker import Job, run_job
 from stabkit.sinks.jsonl import json_safe
 
 BEFORE: dict[str, dict[str, Any]] = json.loads(

@@ -9,7 +9,7 @@ import math
 import numpy as np
 import pytest
 
-from stabkit.harness.recipes.scaling import (
+from stabkit.harness.recipes.science.scaling import (
     LawFit,
     Point,
     check,

@@ -9,7 +9,7 @@ import pytest
 
 from stabkit.harness.models import PRESET_BATCH, PRESETS
 from stabkit.harness.recipes import RecipeError, list_recipe_files, load_recipe
-from stabkit.harness.recipes.loader import builtin_dir, read_toml
+from stabkit.harness.recipes.spec.loader import builtin_dir, read_toml
 
 SHIPPED = sorted(p.stem for p in builtin_dir().glob("*.toml"))
 REQUIRED = {
@@ -211,7 +211,7 @@ def test_builtin_recipes_are_the_top_level_recipes_folder() -> None:
 def test_a_bare_name_finds_the_builtin_from_any_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from stabkit.harness.recipes.loader import find_recipe
+    from stabkit.harness.recipes.spec.loader import find_recipe
 
     monkeypatch.chdir(tmp_path)  # no ./recipes here: the built-ins answer
     assert find_recipe("attention-logit-growth") == builtin_dir() / "attention-logit-growth.toml"
@@ -219,7 +219,7 @@ def test_a_bare_name_finds_the_builtin_from_any_folder(
 
 
 def test_a_local_recipes_folder_comes_first(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stabkit.harness.recipes.loader import find_recipe
+    from stabkit.harness.recipes.spec.loader import find_recipe
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "recipes").mkdir()
@@ -229,7 +229,7 @@ def test_a_local_recipes_folder_comes_first(tmp_path: Path, monkeypatch: pytest.
 
 
 def test_an_old_style_path_names_the_builtin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stabkit.harness.recipes.loader import find_recipe
+    from stabkit.harness.recipes.spec.loader import find_recipe
 
     monkeypatch.chdir(tmp_path)
     old = "recipes/attention-logit-growth.toml"  # the repository's path, typed in another folder
@@ -241,7 +241,7 @@ def test_an_old_style_path_names_the_builtin(tmp_path: Path, monkeypatch: pytest
 
 
 def test_an_unknown_name_lists_the_builtins(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from stabkit.harness.recipes.loader import find_recipe
+    from stabkit.harness.recipes.spec.loader import find_recipe
 
     monkeypatch.chdir(tmp_path)
     for spec in ("no-such-recipe", "recipes/no-such-recipe.toml"):
@@ -330,7 +330,7 @@ def test_fill_reraises_the_dataclass_own_check_naming_the_field() -> None:
 
 def test_recipe_defaults_that_differ_from_the_library_are_kept(tmp_path: Path) -> None:
     from stabkit import MonitorConfig
-    from stabkit.harness.recipes.schema import RECIPE_DEFAULTS
+    from stabkit.harness.recipes.spec.schema import RECIPE_DEFAULTS
     from stabkit.harness.training import TrainConfig
 
     r = load_recipe(write(tmp_path, BASE), "tiny")

@@ -8,10 +8,10 @@ from pathlib import Path
 import pytest
 
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes.report import load_run
-from stabkit.harness.recipes.runner import describe
-from stabkit.harness.recipes.summary import HEADER as HEADER_FIELDS
-from stabkit.harness.recipes.summary import Summary
+from stabkit.harness.recipes.results.report import load_run
+from stabkit.harness.recipes.results.summary import HEADER as HEADER_FIELDS
+from stabkit.harness.recipes.results.summary import Summary
+from stabkit.harness.recipes.run.runner import describe
 
 HEADER = [
     "processes",

@@ -9,12 +9,8 @@ import pytest
 import torch
 
 from stabkit.harness.data import load_corpus
-from stabkit.harness.recipes.checks import Check
-from stabkit.harness.recipes.faults import FaultyCorpus
-from stabkit.harness.recipes.measures import aggregate, best_smoothed, bigram_loss, tail_mean
-from stabkit.harness.recipes.schema import FaultSpec
-from stabkit.harness.recipes.sweep import lr_sensitivity
-from stabkit.harness.recipes.verdict import (
+from stabkit.harness.recipes.results.measures import aggregate, best_smoothed, bigram_loss, tail_mean
+from stabkit.harness.recipes.results.verdict import (
     FIXED,
     NO_RESCUE,
     NOT_AT_SIZE,
@@ -26,6 +22,10 @@ from stabkit.harness.recipes.verdict import (
     Verdict,
     judge,
 )
+from stabkit.harness.recipes.run.faults import FaultyCorpus
+from stabkit.harness.recipes.science.sweep import lr_sensitivity
+from stabkit.harness.recipes.spec.checks import Check
+from stabkit.harness.recipes.spec.schema import FaultSpec
 
 ROLES = {"baseline": "baseline", "qk": "intervention", "cap": "intervention", "ref": "reference"}
 ORDER = list(ROLES)

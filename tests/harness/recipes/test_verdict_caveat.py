@@ -9,10 +9,9 @@ import re
 
 import pytest
 
-from stabkit.harness.recipes.checks import Check
-from stabkit.harness.recipes.report import footer, results_table, verdict_lines
-from stabkit.harness.recipes.summary import Summary
-from stabkit.harness.recipes.verdict import (
+from stabkit.harness.recipes.results.report import footer, results_table, verdict_lines
+from stabkit.harness.recipes.results.summary import Summary
+from stabkit.harness.recipes.results.verdict import (
     CAVEAT_LEGEND,
     FIXED,
     FIXED_CAVEAT,
@@ -21,6 +20,7 @@ from stabkit.harness.recipes.verdict import (
     RESCUED_CAVEAT,
     judge,
 )
+from stabkit.harness.recipes.spec.checks import Check
 
 BIGRAM = 2.317
 ROLES = {"baseline": "baseline", "qk_clip": "intervention", "reference": "reference"}

@@ -11,9 +11,16 @@ from typing import Any
 import pytest
 
 from stabkit.harness.recipes import load_recipe
-from stabkit.harness.recipes import widths as widths_mod
-from stabkit.harness.recipes.job import Job
-from stabkit.harness.recipes.widths import ScaleReport, at_width, refit, run_key, run_widths, scaled_variants
+from stabkit.harness.recipes.run.job import Job
+from stabkit.harness.recipes.science import widths as widths_mod
+from stabkit.harness.recipes.science.widths import (
+    ScaleReport,
+    at_width,
+    refit,
+    run_key,
+    run_widths,
+    scaled_variants,
+)
 
 from .test_scaling import LAW, LRS, WIDTHS, law_log, true_crossing
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .recipe import Recipe
+from ..spec.recipe import Recipe
 
 Progress = Callable[[str, str, int, int, float], None]
 """progress(run, status, step, total, loss); status in start, step, done, failed, interrupted."""

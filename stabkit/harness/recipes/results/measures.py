@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..data import load_corpus
+from ...data import load_corpus
 
 
 @lru_cache(maxsize=4)

@@ -15,8 +15,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..models.presets import PRESETS
-from ..models.spec import ModelSpec, ModelSpecError
+from ...models.presets import PRESETS
+from ...models.spec import ModelSpec, ModelSpecError
 from .errors import RecipeError
 from .fields import deep_merge, table
 
@@ -42,7 +42,7 @@ USER_FOLDER = "recipes"
 def builtin_dir() -> Path:
     """The folder of the built-in recipes: the wheel's package data, else the checkout's ``recipes/``."""
     shipped = Path(str(resources.files(BUILTIN_PACKAGE).joinpath(BUILTIN_FOLDER)))
-    return pick_builtin_dir(shipped, Path(__file__).resolve().parents[3])
+    return pick_builtin_dir(shipped, Path(__file__).resolve().parents[4])
 
 
 def pick_builtin_dir(shipped: Path, root: Path) -> Path:
@@ -189,7 +189,7 @@ def text_problem(path: str | Path, context: int) -> str | None:
     """What makes `path` unusable as training text for a model with this `context` (missing, not a
     file, too short for both the training and the held-out split), or None. Runs at load, so the
     CLI answers before any worker starts."""
-    from ..data.text import MIN_TEXT_BYTES, VAL_FRACTION
+    from ...data.text import MIN_TEXT_BYTES, VAL_FRACTION
 
     p = Path(path)
     if not p.exists():

@@ -32,24 +32,24 @@ from typing import Any
 import torch
 from torch import nn
 
-from ...attaching import attach
-from ...config import MonitorConfig
-from ...distributed import DistContext
-from ...events import InstabilityError
-from ...interventions import Handle
-from ...monitor import Monitor
-from ..data import load_corpus
-from ..models import GPTConfig
-from ..models.build import build as build_architecture
-from ..models.spec import ModelSpec
-from ..training import Callbacks, Heldout, TrainConfig, TrainRun, evaluate, train
+from ....attaching import attach
+from ....config import MonitorConfig
+from ....distributed import DistContext
+from ....events import InstabilityError
+from ....interventions import Handle
+from ....monitor import Monitor
+from ...data import load_corpus
+from ...models import GPTConfig
+from ...models.build import build as build_architecture
+from ...models.spec import ModelSpec
+from ...training import Callbacks, Heldout, TrainConfig, TrainRun, evaluate, train
+from ..results.results import finish
+from ..results.run_result import DONE, FAILED, INTERRUPTED, STOPPED, RunResult
+from ..spec.recipe import Recipe, VariantSpec
 from . import ddp as ddp_mod
 from .depth import depth_sweep
 from .faults import FaultyCorpus, StepClock, fault_module, inject_output_fault
 from .job import Job, Progress
-from .recipe import Recipe, VariantSpec
-from .results import finish
-from .run_result import DONE, FAILED, INTERRUPTED, STOPPED, RunResult
 
 __all__ = ["Job", "Progress", "RunResult", "Stop", "run_job"]
 
@@ -185,7 +185,7 @@ def build(
     net = model if ctx is None else ddp_mod.wrap(model, device)
     trainer = TrainRun(net, train_corpus, config, recipe.model.context, device)
     if handle is not None:  # fixes that act after optimizer steps (qk_clip) watch the optimizer
-        from ...interventions import attach_optimizer
+        from ....interventions import attach_optimizer
 
         attach_optimizer(handle, trainer.optimizer)
     return Built(model, handle, corpus, trainer, clock, ctx, notes, at)
@@ -201,7 +201,7 @@ def build_model(
     """The variant's model (the reference GPT, or `arch` at `config`'s size) built with `seed` (same
     weights for every variant), interventions applied (their handle, None without interventions).
     Build the optimizer afterwards: new gains train."""
-    from ...interventions import apply_many
+    from ....interventions import apply_many
 
     torch.manual_seed(seed)
     model = build_architecture(arch, config)

@@ -25,14 +25,14 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from .job import Job, Progress
-from .pool import execute
-from .recipe import Recipe
-from .run_result import DONE, RunResult
-from .runner import clear_previous_logs, describe, history_checks, write_json
-from .signals import SigtermStop
-from .summary import Summary
-from .verdict import judge
+from ..results.run_result import DONE, RunResult
+from ..results.summary import Summary
+from ..results.verdict import judge
+from ..run.job import Job, Progress
+from ..run.pool import execute
+from ..run.runner import clear_previous_logs, describe, history_checks, write_json
+from ..run.signals import SigtermStop
+from ..spec.recipe import Recipe
 
 SWEEP = "sweep.json"
 SWEPT = ("baseline", "intervention")

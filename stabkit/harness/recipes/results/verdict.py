@@ -23,8 +23,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from .checks import Check
-from .rescue import RESCUE_TOLERANCE
+from ..spec.checks import Check
+from ..spec.rescue import RESCUE_TOLERANCE
 
 REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
 FIXED, NOT_FIXED, NOT_AT_SIZE = "fixed", "not fixed", "not reproduced at this size"

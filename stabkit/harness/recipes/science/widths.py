@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .job import Job, Progress
-from .pool import execute
-from .recipe import Recipe, VariantSpec
-from .run_result import RunResult
-from .runner import clear_previous_logs, history_checks, write_json
+from ..results.run_result import RunResult
+from ..run.job import Job, Progress
+from ..run.pool import execute
+from ..run.runner import clear_previous_logs, history_checks, write_json
+from ..run.signals import SigtermStop
+from ..spec.recipe import Recipe, VariantSpec
 from .scaling import (
     THRESHOLD,
     LawFit,
@@ -35,7 +36,6 @@ from .scaling import (
     parameter_draws,
     predict,
 )
-from .signals import SigtermStop
 
 SCALE = "scale.json"
 PLOT = "scale.png"

@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ...config import MonitorConfig
-from ...detect_config import DetectConfig
-from ...tables import TableError, bounds, fill
-from ..data.synthetic import SyntheticSpec
-from ..models import GPTConfig, preset_config
-from ..models.presets import PRESET_BATCH
-from ..training import TrainConfig
+from ....config import MonitorConfig
+from ....detect_config import DetectConfig
+from ....tables import TableError, bounds, fill
+from ...data.synthetic import SyntheticSpec
+from ...models import GPTConfig, preset_config
+from ...models.presets import PRESET_BATCH
+from ...training import TrainConfig
 from .checks import Check, parse_checks
 from .errors import RecipeError
 

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from ..training import Heldout
+from ...training import Heldout
 from .clipping import CLIP_KEYS
 
 Status = Literal["running", "done", "stopped", "failed", "interrupted", "not run"]

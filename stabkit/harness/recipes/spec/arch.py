@@ -22,8 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any
 
-from ..models import GPTConfig, preset_config
-from ..models.spec import ModelSpec
+from ...models import GPTConfig, preset_config
+from ...models.spec import ModelSpec
 
 SIZE_FIELDS = ("vocab_size", "context", "d_model", "n_layers", "n_heads", "n_kv_heads", "d_ff", "dropout")
 """GPTConfig fields that shape any model (`stabkit.harness.models.build`)."""
@@ -153,8 +153,8 @@ def placement_of(spec: ModelSpec, size: GPTConfig) -> str | None:
     the model cannot be built."""
     import torch
 
-    from ...discovery import inspect_model
-    from ..models.build import build
+    from ....discovery import inspect_model
+    from ...models.build import build
 
     with torch.device("meta"):
         model = build(spec, size)

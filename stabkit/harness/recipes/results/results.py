@@ -11,13 +11,13 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from ...monitor import Monitor
+from ....monitor import Monitor
+from ..run.job import Job
+from ..spec.rescue import rescue_quantities
+from ..spec.schema import FaultSpec
 from .clipping import clip_quantities
-from .job import Job
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
-from .rescue import rescue_quantities
 from .run_result import Measures, RunResult
-from .schema import FaultSpec
 
 
 def finish(

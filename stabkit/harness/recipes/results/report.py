@@ -12,11 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
-from ...sinks import LOG_NAME, read_jsonl
-from ...sinks.rundir import run_folders
+from ....sinks import LOG_NAME, read_jsonl
+from ....sinks.rundir import run_folders
+from ..run.runner import SUMMARY
 from .columns import legend, shown
 from .measures import best_smoothed, monitored, tail_mean
-from .runner import SUMMARY
 from .summary import Summary
 from .verdict import CAVEAT, CAVEAT_LEGEND
 

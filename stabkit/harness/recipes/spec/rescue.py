@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Any
 
-from ...detect_config import DetectConfig
+from ....detect_config import DetectConfig
 
 RESCUE_TOLERANCE = 0.1
 """Default ``tolerance`` of a rescue variant: its final held-out loss may exceed the fixed-from-the-
@@ -28,8 +28,8 @@ the reference run)."""
 
 def rescue_kinds() -> tuple[str, ...]:
     """Event kinds (detector names) with an advice row that names a fix a rescue can switch on."""
-    from ...actions.rescue import MIDRUN
-    from ...plugins import DETECTORS
+    from ....actions.rescue import MIDRUN
+    from ....plugins import DETECTORS
 
     kinds = []
     for name in DETECTORS.names():

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ...tables import TableError
+from ....tables import TableError
 
 
 class RecipeError(TableError):

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..data import ByteCorpus
-from .schema import FaultSpec
+from ...data import ByteCorpus
+from ..spec.schema import FaultSpec
 
 
 class StepClock:
@@ -42,7 +42,7 @@ def fault_module(model: nn.Module, path: str) -> str:
     match = GPT_FAULT_PATH.match(path)
     if path in names or match is None:
         return path
-    from ...discovery import inspect_model
+    from ....discovery import inspect_model
 
     blocks = inspect_model(model).blocks
     if not blocks:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from ...sinks import LOG_NAME
+from ....sinks import LOG_NAME
 from .report import Progress, event_log, events_text, group_events, read_log
 from .summary import Summary
 

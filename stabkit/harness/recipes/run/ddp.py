@@ -17,10 +17,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ...distributed import DistContext, process_group_active, shard_rows
-from ..data import ByteCorpus
-from ..models import PRESET_BATCH
-from .recipe import Recipe
+from ....distributed import DistContext, process_group_active, shard_rows
+from ...data import ByteCorpus
+from ...models import PRESET_BATCH
+from ..spec.recipe import Recipe
 
 
 def rank_context() -> DistContext:

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
+from ..results.run_result import FAILED, INTERRUPTED, NOT_RUN, RunResult, Status
 from .job import Job, Progress
-from .run_result import FAILED, INTERRUPTED, NOT_RUN, RunResult, Status
 from .worker import run_job
 
 STOP_GRACE_S = 60.0

@@ -16,7 +16,7 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-from ...lifecycle import chain
+from ....lifecycle import chain
 
 
 class SigtermStop:

@@ -20,18 +20,18 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from ...distributed import SINGLE, DistContext
-from ...sinks.fanout import reason
-from ...sinks.jsonl import json_safe
-from ...sinks.rundir import clear_logs
-from .checks import Check
+from ....distributed import SINGLE, DistContext
+from ....sinks.fanout import reason
+from ....sinks.jsonl import json_safe
+from ....sinks.rundir import clear_logs
+from ..results.run_result import RunResult
+from ..results.summary import Summary
+from ..results.verdict import judge
+from ..spec.checks import Check
+from ..spec.recipe import Recipe
 from .job import Job, Progress
 from .pool import execute
-from .recipe import Recipe
-from .run_result import RunResult
 from .signals import SigtermStop
-from .summary import Summary
-from .verdict import judge
 
 SUMMARY = "summary.json"
 
@@ -218,9 +218,9 @@ def preflight(recipe: Recipe) -> None:
     the refusal as the reason (`Recipe.adaptation`); when it is the baseline's, RecipeNotApplicable."""
     import torch
 
-    from ...interventions import InterventionError, apply_many
-    from ..models.build import build
-    from .arch import RecipeNotApplicable
+    from ....interventions import InterventionError, apply_many
+    from ...models.build import build
+    from ..spec.arch import RecipeNotApplicable
     from .faults import fault_module
 
     for variant in list(recipe.variants):

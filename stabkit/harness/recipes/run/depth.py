@@ -14,9 +14,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ..data import ByteCorpus
-from ..models import GPT, GPTConfig
-from .schema import DepthSpec
+from ...data import ByteCorpus
+from ...models import GPT, GPTConfig
+from ..spec.schema import DepthSpec
 
 
 def last_layer_grad_norm(
@@ -28,7 +28,7 @@ def last_layer_grad_norm(
     device: torch.device | str = "cpu",
 ) -> float:
     """‖∇W₂‖_F of the last block's MLP output matrix (`blocks.{L-1}.mlp.proj.weight`) at init."""
-    from ...interventions import apply_many
+    from ....interventions import apply_many
 
     torch.manual_seed(seed)
     model = GPT(cfg)

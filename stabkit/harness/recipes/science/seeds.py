@@ -17,12 +17,12 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..models.spec import ModelSpec
-from .job import Progress
+from ...models.spec import ModelSpec
+from ..run.job import Progress
+from ..run.runner import SUMMARY, run_recipe, verdicts, write_json
+from ..spec.loader import load_recipe
+from ..spec.recipe import Recipe
 from .leadtime import LeadRow, RunLead, format_table, lead_row, recipe_runs
-from .loader import load_recipe
-from .recipe import Recipe
-from .runner import SUMMARY, run_recipe, verdicts, write_json
 
 ROLES = ("baseline", "reference")
 """What the table needs: the baseline (reproduces, gets lost, is warned) and the reference runs

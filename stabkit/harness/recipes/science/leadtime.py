@@ -30,8 +30,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ...events import severity_rank
-from ...plugins import DETECTORS
+from ....events import severity_rank
+from ....plugins import DETECTORS
 
 
 def detector_kinds() -> frozenset[str]:

@@ -9,12 +9,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ...config import MonitorConfig
-from ...detect_config import DetectConfig
-from ..data.synthetic import SyntheticSpec
-from ..models import PRESETS, GPTConfig
-from ..models.spec import ModelSpec, ModelSpecError, parse_model_spec
-from ..training import TrainConfig
+from ....config import MonitorConfig
+from ....detect_config import DetectConfig
+from ...data.synthetic import SyntheticSpec
+from ...models import PRESETS, GPTConfig
+from ...models.spec import ModelSpec, ModelSpecError, parse_model_spec
+from ...training import TrainConfig
 from .arch import Adaptation
 from .checks import Check, parse_checks
 from .errors import RecipeError
@@ -146,7 +146,7 @@ class Recipe:
 
 def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
     """{name: {option: value}} checked against the intervention registry."""
-    from ...interventions import REGISTRY
+    from ....interventions import REGISTRY
 
     t = table(raw, where, tuple(REGISTRY))
     out: dict[str, dict[str, Any]] = {}
