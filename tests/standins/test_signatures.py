@@ -217,3 +217,26 @@ def test_rendering_tells_kinds_and_defaults_apart() -> None:
 
     assert rendered(f) == "a, b=(-1, -1), *, c=None, **kw"
     assert rendered(g) != rendered(f)
+
+
+FA3_FWD = (  # hopper/flash_api.cpp @ 0251105a, TORCH_LIBRARY(flash_attn_3, m): m.def("fwd(" ...)
+    "fwd(Tensor q, Tensor k, Tensor v, Tensor(k_new!)? k_new = None, Tensor(v_new!)? v_new = None, "
+    "Tensor? q_v = None, Tensor(out!)? out = None, Tensor? cu_seqlens_q = None, Tensor? cu_seqlens_k = None, "
+    "Tensor? cu_seqlens_k_new = None, Tensor? seqused_q = None, Tensor? seqused_k = None, "
+    "int? max_seqlen_q = None, int? max_seqlen_k = None, Tensor? page_table = None, "
+    "Tensor? kv_batch_idx = None, Tensor? leftpad_k = None, Tensor? rotary_cos = None, "
+    "Tensor? rotary_sin = None, Tensor? seqlens_rotary = None, Tensor? q_descale = None, "
+    "Tensor? k_descale = None, Tensor? v_descale = None, float? softmax_scale = None, "
+    "bool is_causal = False, int window_size_left = -1, int window_size_right = -1, "
+    "int attention_chunk = 0, float softcap = 0.0, bool is_rotary_interleaved = False, "
+    "Tensor? scheduler_metadata = None, int num_splits = 0, bool? pack_gqa = None, "
+    "int sm_margin = 0) -> (Tensor(out!), Tensor, Tensor, Tensor)"
+)
+
+
+def test_flash_attn_3_fwd_op_schema_equals_upstream() -> None:
+    import torch
+
+    with installed():
+        schema = str(torch.ops.flash_attn_3.fwd.default._schema)
+    assert schema == str(torch._C.parse_schema("flash_attn_3::" + FA3_FWD))  # torch's own rendering of both
