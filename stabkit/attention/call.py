@@ -34,10 +34,11 @@ import torch
 class Positions:
     """Masks (and ALiBi) defined by positions, as device vectors: built without a host sync.
 
-    A query at `q_pos` p sees a key at `k_pos` j when: same document (when documents are given);
-    j <= p (causal); p - left <= j <= p + right (window, -1 = unbounded on that side);
-    j // chunk == p // chunk (chunks). Bottom-right aligned kernels (flash-attn) put query i of a
-    call with L queries and S keys at p = i + S - L; packed documents do this per document.
+    A query at `q_pos` p (plus its batch row's `row_offset`) sees a key at `k_pos` j when: same
+    document (when documents are given); j <= p (causal); p - left <= j <= p + right (window, -1 =
+    unbounded on that side); j // chunk == p // chunk (chunks). Bottom-right aligned kernels
+    (flash-attn) put query i of a call with L queries and S keys at p = i + S - L; packed documents do
+    this per document, padded batch rows (Transformer Engine) per row with the row's actual lengths.
     """
 
     q_pos: torch.Tensor
@@ -55,6 +56,9 @@ class Positions:
     """Chunk size (0: no chunks)."""
     alibi: torch.Tensor | None = None
     """(H,) or (B, H) ALiBi slopes: the score gets ``-slope · |p - j|``."""
+    row_offset: torch.Tensor | None = None
+    """(B,) int64 added to every query position of batch row b (bottom-right alignment by each row's
+    actual lengths when rows are padded), or None."""
 
     @classmethod
     def aligned(
@@ -74,25 +78,33 @@ class Positions:
         n_k: int,
         *,
         bottom_right: bool,
+        starts_q: torch.Tensor | None = None,
+        starts_k: torch.Tensor | None = None,
         **masks: Any,
     ) -> Positions:
         """Positions of a packed (varlen) call from its cumulative lengths ``cu_seqlens`` (B + 1,):
         document d holds queries ``cu_q[d]:cu_q[d+1]`` and keys ``cu_k[d]:cu_k[d+1]``; positions
-        restart in each document (aligned bottom-right per document when `bottom_right`)."""
+        restart in each document (aligned bottom-right per document when `bottom_right`).
+
+        `starts_q` / `starts_k` (B + 1,): where each document starts when there are gaps between them
+        (Transformer Engine's ``cu_seqlens_*_padded``; document d then holds tokens
+        ``starts[d] : starts[d] + length[d]``). Tokens in no document (gaps, or past the last one)
+        see no key and are seen by no query."""
         cu_q, cu_k = cu_q.long(), cu_k.long()
-        q_doc = _documents(cu_q, n_q)
-        k_doc = _documents(cu_k, n_k)
-        q_local = torch.arange(n_q, device=cu_q.device) - cu_q[q_doc]
-        k_local = torch.arange(n_k, device=cu_k.device) - cu_k[k_doc]
+        q_doc, q_local = _documents(cu_q, cu_q if starts_q is None else starts_q.long(), n_q, outside=-1)
+        k_doc, k_local = _documents(cu_k, cu_k if starts_k is None else starts_k.long(), n_k, outside=-2)
         if bottom_right:
-            lengths_q, lengths_k = cu_q.diff(), cu_k.diff()
-            q_local = q_local + (lengths_k - lengths_q)[q_doc]
+            shift = cu_k.diff() - cu_q.diff()  # (B,)
+            q_local = q_local + shift[q_doc.clamp(min=0)]
         return cls(q_pos=q_local, k_pos=k_local, q_doc=q_doc, k_doc=k_doc, **masks)
 
-    def blocked(self, q_index: torch.Tensor, keys: slice) -> torch.Tensor | None:
-        """bool (…, l, s): True where the measured queries (`q_index`, (…, l) indices into the call's
-        queries) may NOT see keys `keys`; None when nothing is blocked by position."""
-        p = self.q_pos[q_index].unsqueeze(-1)  # (…, l, 1)
+    def blocked(
+        self, q_index: torch.Tensor, keys: slice, rows: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """bool (…, l, s): True where the measured queries (`q_index`, (b|1, h|1, l) indices into the
+        call's queries, of batch rows `rows` (b,) when `row_offset` is set) may NOT see keys `keys`;
+        None when nothing is blocked by position."""
+        p = self._query_positions(q_index, rows).unsqueeze(-1)  # (…, l, 1)
         j = self.k_pos[keys]  # (s,)
         out: torch.Tensor | None = None
 
@@ -117,6 +129,15 @@ class Positions:
             )
         return out
 
+    def _query_positions(self, q_index: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """(…, l) positions of the measured queries, with their rows' `row_offset`."""
+        p = self.q_pos[q_index]
+        if self.row_offset is None:
+            return p
+        if rows is None:
+            raise ValueError("positions with per-row offsets need the measured batch rows")
+        return p + self.row_offset[rows].view(-1, *([1] * (p.dim() - 1)))
+
     def bias(
         self, q_index: torch.Tensor, keys: slice, rows: torch.Tensor, heads: torch.Tensor
     ) -> torch.Tensor | None:
@@ -134,13 +155,22 @@ class Positions:
             slopes = per_query.expand(shape).gather(-1, index)  # (b, h, l, 1)
         else:
             slopes = slopes[rows][:, heads, None, None]
-        distance = (self.q_pos[q_index].unsqueeze(-1) - self.k_pos[keys]).abs().float()  # (…, l, s)
+        distance = (self._query_positions(q_index, rows).unsqueeze(-1) - self.k_pos[keys]).abs().float()
         return -slopes * distance
 
 
-def _documents(cu: torch.Tensor, n: int) -> torch.Tensor:
-    """(n,) document index of each packed position, from cumulative lengths (B + 1,)."""
-    return torch.searchsorted(cu[1:].contiguous(), torch.arange(n, device=cu.device), right=True)
+def _documents(
+    cu: torch.Tensor, starts: torch.Tensor, n: int, outside: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n,) document of each packed position and its position in the document, from cumulative
+    lengths `cu` (B + 1,) and the documents' `starts` (B + 1,; `cu` without gaps); a position in no
+    document gets document `outside`."""
+    index = torch.arange(n, device=cu.device)
+    doc = torch.searchsorted(starts[1:].contiguous(), index, right=True)  # (n,) in [0, B]
+    last = cu.numel() - 2
+    local = index - starts[doc.clamp(max=last)]
+    inside = (doc <= last) & (local < cu.diff()[doc.clamp(max=last)])
+    return torch.where(inside, doc, outside), local
 
 
 @dataclass

@@ -54,6 +54,11 @@ class Handle:
         self.refused: dict[str, str] = {}
         """Why a call at a module path was left unchanged (the latest reason; `kernel_change`): what
         `stabkit.interventions.verify` names when it refuses the intervention."""
+        self.verifying = False
+        """True during `stabkit.interventions.verify`'s traced forward: changed kernel calls are kept."""
+        self.changed_calls: dict[str, Callable[[], tuple[float, float] | None]] = {}
+        """Per module path, the backward check of the first kernel call changed there while verifying
+        (`stabkit.interventions.backward_check`); emptied after the check."""
 
     # ---------------------------------------------------------------- building (apply time)
     def on_remove(self, undo: Callable[[], None]) -> None:

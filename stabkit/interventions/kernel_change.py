@@ -7,11 +7,14 @@ forward op called inside its ``autograd.Function``) or when the kernel cannot ta
 cannot soft-cap with dropout; the call caps already). A refusal is recorded on the handle — so the
 apply-time check (`stabkit.interventions.verify`) raises an InterventionError naming the reason — and
 said once per module in a warning during training, which goes on: a forward changed without its
-backward would train on wrong gradients, an unchanged call trains right.
+backward would train on wrong gradients, an unchanged call trains right. While the apply-time check
+runs (``handle.verifying``), the first call changed in each module is kept for its backward check
+(`stabkit.interventions.backward_check`).
 """
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -19,6 +22,7 @@ from typing import Any
 import torch
 
 from ..attention import kernels
+from .backward_check import directional_error
 from .handle import Handle
 
 
@@ -59,6 +63,10 @@ class KernelChange:
             change(bound.arguments)
         except ValueError as exc:
             return self._unchanged(path, str(exc), fn, args, kwargs)
+        if self.handle.verifying and path not in self.handle.changed_calls:
+            self.handle.changed_calls[path] = functools.partial(
+                directional_error, kernel, fn, args, dict(kwargs), change
+            )
         self.handle.count(path)
         return kernels.recall(fn, bound)
 

@@ -7,8 +7,10 @@ buffers restored, no parameter gradient), so training is unchanged. What is chec
 
 - every intervention: the forward runs (a norm hooked onto a tensor of the wrong width fails here,
   not in training), no kernel call was left unchanged (`stabkit.interventions.kernel_change`: a change
-  that would reach the forward only, or one the kernel cannot take), and every module holding a
-  parameter the intervention added runs;
+  that would reach the forward only, or one the kernel cannot take), every module holding a
+  parameter the intervention added runs, and the first kernel call it changed in each module trains
+  with the gradients of its changed forward (`check_backward`: one backward against a central
+  difference, outside the trace);
 - then each intervention's own check, its plug-in's `Intervention.verify` (looked up by name in
   `stabkit.plugins.INTERVENTIONS`), which the built-ins take from here:
   ``qk_norm`` (`check_qk_norm`): at every attention call the trace sees, each head's query and key
@@ -82,6 +84,8 @@ def verify(model: nn.Module, handles: dict[str, Handle], example: Any) -> None:
     for handle in handles.values():
         handle.counts.clear()
         handle.refused.clear()
+        handle.changed_calls.clear()
+        handle.verifying = True
     try:
         trace = run_trace(model, args, kwargs)
     except InterventionError:
@@ -96,12 +100,33 @@ def verify(model: nn.Module, handles: dict[str, Handle], example: Any) -> None:
         raise InterventionError(
             names, type(model).__name__, f"the model's forward fails with it: {type(exc).__name__}: {exc}"
         ) from exc
+    finally:
+        for handle in handles.values():
+            handle.verifying = False
     for name, handle in handles.items():
         for path, why in handle.refused.items():
             raise InterventionError(name, path, f"not in effect: an attention call was left unchanged: {why}")
         _check_ran(trace, model, name, handle)
+        check_backward(name, handle)
         if name in INTERVENTIONS:
             INTERVENTIONS.load(name)().verify(trace, model, handle)
+
+
+def check_backward(name: str, handle: Handle) -> None:
+    """Every kernel call `name` changed trains with the gradients of its changed forward: one backward
+    against a central difference (`stabkit.interventions.backward_check`)."""
+    calls, handle.changed_calls = handle.changed_calls, {}
+    for path, check in calls.items():
+        result = check()
+        if result is not None and result[0] > result[1]:
+            raise InterventionError(
+                name,
+                path,
+                "not in effect as it would train: the changed attention call's backward disagrees with its "
+                f"forward (directional derivative off by {result[0]:.1%} against a central difference); the "
+                "kernel's backward does not see the change — change it in the model, or fix the kernel's "
+                "autograd formula",
+            )
 
 
 def check_capped(name: str, handle: Handle) -> None:

@@ -111,12 +111,13 @@ def qk_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Te
 
 def candidate_reach(call: QKCall, n_q: int, n_k: int) -> torch.Tensor | None:
     """(L,) the last key each query may see under a plain causal mask (top-left, or bottom-right
-    without documents), for ranking max candidates; None when any key may be in reach."""
+    without documents or per-row offsets), for ranking max candidates; None when any key may be in
+    reach."""
     device = call.q.device
     if call.causal:
         return torch.arange(n_q, device=device).clamp(max=n_k - 1)
     pos = call.positions
-    if pos is not None and pos.causal and pos.q_doc is None:
+    if pos is not None and pos.causal and pos.q_doc is None and pos.row_offset is None:
         return pos.q_pos.clamp(0, n_k - 1)
     return None
 

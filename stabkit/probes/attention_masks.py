@@ -65,7 +65,7 @@ class IndexMask:
         self, rows: torch.Tensor, heads: torch.Tensor, q_index: torch.Tensor, keys: slice
     ) -> torch.Tensor | None:
         """bool, broadcastable to (b, h, l, s): True where a measured query may NOT see a key."""
-        out = self.positions.blocked(q_index, keys) if self.positions is not None else None
+        out = self.positions.blocked(q_index, keys, rows) if self.positions is not None else None
         if self.flex is not None:
             flex = ~self._flex_allowed(rows, heads, q_index, keys)
             out = flex if out is None else out | flex

@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
 # The standing GPU check, in one run on a lent CUDA device (each part under a time limit, 9 minutes
 # at most together: one device call of 600 s holds it):
+#   0. the device itself (CUDA must be there: without it every CUDA test would skip and pass) and the
+#      libraries named in EXPECT (a comma list, e.g. EXPECT=flash_attn,transformer_engine): one that
+#      does not import fails the run — it is exported as STABKIT_EXPECT, so the tests that use it fail
+#      instead of skipping;
 #   1. the device tests (tests/device/test_cuda.py: real SDPA backends and FlexAttention measured
-#      exactly, observation only, Inductor full monitoring) and the CUDA sync-debug test;
+#      exactly, observation only, Inductor full monitoring; tests/device/test_cuda_interventions.py: a
+#      backward through attn_softcap and qk_norm on CUDA SDPA and FlexAttention against a reference)
+#      and the CUDA sync-debug test; pytest lists its skips (-rs);
 #   2. stabkit bench --device cuda --size gpt2 --bf16 (shortened rounds);
 #   3. the fixed cost: stabkit bench --device cuda --size small-step --paired (a launch-bound loop,
 #      where each millisecond of Python per step is a millisecond of step time), then the
@@ -31,8 +37,23 @@ part() {  # part NAME LIMIT_S COMMAND...: run it into OUT/NAME.txt, print its ta
     [ "$rc" -eq 0 ] || failed=1
 }
 
-"$py" -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name(0))" | tee "$out/device.txt"
-part tests 210 "$py" -m pytest -q -p no:cacheprovider tests/device \
+export STABKIT_EXPECT="${EXPECT:-}"
+part device 60 "$py" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print('torch', torch.__version__, torch.cuda.get_device_name(0))"
+if [ -n "${EXPECT:-}" ]; then
+    part libraries 60 "$py" - "$EXPECT" <<'PY'
+import importlib, sys
+missing = []
+for name in filter(None, sys.argv[1].split(",")):
+    try:
+        module = importlib.import_module(name)
+        print(name, getattr(module, "__version__", "?"))
+    except Exception as exc:  # expected here: its absence fails the run
+        missing.append(name)
+        print(name, "MISSING:", type(exc).__name__, exc)
+sys.exit(1 if missing else 0)
+PY
+fi
+part tests 210 "$py" -m pytest -q -rs -p no:cacheprovider tests/device \
     tests/bench/test_bench.py::test_no_host_sync_between_log_intervals_on_cuda
 part bench 150 "$py" -m stabkit bench --device cuda --size gpt2 --bf16 --steps 10 --repeats 3 --json "$out/bench.json"
 part fixed 60 "$py" -m stabkit bench --device cuda --size small-step --paired --variants bare,default,every100 \

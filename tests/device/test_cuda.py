@@ -9,12 +9,14 @@ with its CPU twin: the same assertions on the CPU, so that the checks themselves
 - compiled (Inductor) full monitoring on the device: one graph, the compiled bare loss, and the
   statistics of eager monitoring within float rounding.
 
-Real flash-attn is checked when it is installed (``pytest.importorskip``); the CPU runs its stand-in
-(`tests/attention/test_kernels.py`).
+Real flash-attn is checked when it is installed, and must be when ``STABKIT_EXPECT`` names it (`require`);
+the CPU runs its stand-in (`tests/attention/test_kernels.py`).
 """
 
 from __future__ import annotations
 
+import importlib
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -138,9 +140,22 @@ def test_flex_attention_measured_exactly(device: str) -> None:
     check(got, want)
 
 
+def expected(library: str) -> bool:
+    """True when the device check was told the library is installed there (``STABKIT_EXPECT``, a comma
+    list, set by `tests/device/run_checks.sh` from its ``EXPECT``): then its absence fails, not skips."""
+    return library in os.environ.get("STABKIT_EXPECT", "").split(",")
+
+
+def require(library: str) -> Any:
+    """Import `library`; skip when it is absent and not expected, fail when it is expected."""
+    if expected(library):
+        return importlib.import_module(library)
+    return pytest.importorskip(library)
+
+
 @CUDA
 def test_real_flash_attn_measured_exactly() -> None:
-    flash_attn = pytest.importorskip("flash_attn")
+    flash_attn = require("flash_attn")
     q, k, v = (t.transpose(1, 2).contiguous() for t in qkv("cuda", torch.bfloat16))  # (B, L, H, E)
     m = measured(lambda: flash_attn.flash_attn_func(q, k, v, causal=True))
     (got,) = m.stats
@@ -198,3 +213,14 @@ def test_inductor_full_monitoring_on_the_device(device: str) -> None:
         assert rows[step].keys() == row.keys()
         for key, value in row.items():
             assert rows[step][key] == pytest.approx(value, rel=1e-3, abs=1e-4), (step, key)
+
+
+def test_an_expected_library_that_is_missing_fails_instead_of_skipping(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("STABKIT_EXPECT", "")
+    with pytest.raises(pytest.skip.Exception):
+        require("stabkit_no_such_library")
+    monkeypatch.setenv("STABKIT_EXPECT", "flash_attn,stabkit_no_such_library")
+    with pytest.raises(ModuleNotFoundError):
+        require("stabkit_no_such_library")

@@ -37,6 +37,8 @@ def _call(entry: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: A
     import flash_attn_interface as fa3
 
     lib, name = entry.split(":")
+    if lib == "te":
+        return _call_te(name, q, k, v)
     mod = flash_attn if lib == "fa2" else fa3
     fn = getattr(mod, name)
     b, t = q.shape[:2]
@@ -60,6 +62,24 @@ def _call(entry: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: A
     raise AssertionError(entry)
 
 
+def _call_te(how: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Transformer Engine's DotProductAttention (bshd, causal) called with separate q, k, v ('layers'),
+    or with the packed ``qkv_layer`` and no query_layer as its MultiheadAttention does ('qkv_layer')."""
+    from transformer_engine.pytorch import DotProductAttention
+
+    b, t = q.shape[:2]
+    heads = H if how == "qkv_layer" else KV
+    core = DotProductAttention(H, HD, num_gqa_groups=heads, qkv_format="bshd", attn_mask_type="causal")
+    if how == "qkv_layer":
+        rep = lambda x: x.repeat_interleave(H // KV, dim=2)  # noqa: E731
+        out = core(None, None, None, qkv_layer=torch.stack([q, rep(k), rep(v)], dim=2), qkv_interleave_dim=-3)
+    else:
+        out = core(q, k, v)
+    return out.view(b, t, H, HD)
+
+
+TE_ENTRIES = ["te:layers", "te:qkv_layer"]
+"""Transformer Engine has no soft-cap argument: ``qk_norm`` only."""
 ENTRIES = [
     *(
         f"fa2:{n}"
@@ -173,7 +193,7 @@ def test_attn_softcap_through_flash_attn_has_the_gradients_of_the_kernel_capping
         assert not torch.allclose(plain_loss, want_loss)  # the cap is not a no-op at this scale
 
 
-@pytest.mark.parametrize("entry", ENTRIES)
+@pytest.mark.parametrize("entry", [*ENTRIES, *TE_ENTRIES])
 def test_qk_norm_through_flash_attn_has_the_gradients_of_normalising_q_and_k_first(entry: str) -> None:
     with installed():
         model, ref = _pair(entry, "norm")

@@ -71,7 +71,10 @@ def generic_reader(
         if qt.dim() != 4 or kt.dim() != 4:
             raise ValueError(f"q {tuple(qt.shape)} / k {tuple(kt.shape)} do not match layout {layout!r}")
         win = _setting(a, window)
-        masks = {"causal": bool(_setting(a, causal)), "window": window_of(*win) if win is not None else None}
+        masks: dict[str, Any] = {
+            "causal": bool(_setting(a, causal)),
+            "window": window_of(*win) if win is not None else None,
+        }
         positions = None
         bottom = align == "bottom_right"
         if cu_seqlens is not None:

@@ -105,7 +105,27 @@ def entry_arguments(a: Mapping[str, Any]) -> dict[str, Any]:
         out["window_size_left"], out["window_size_right"] = left, right
     if "cu_seqlens" in out:
         out["cu_seqlens_q"] = out["cu_seqlens_k"] = out["cu_seqlens"]
+    for schema_name, name in (("is_causal", "causal"), ("q_v", "qv")):  # flash_attn_3::fwd's names
+        if schema_name in out:
+            out[name] = out[schema_name]
     return out
+
+
+def descaled_queries(
+    q: torch.Tensor, q_descale: Any, k_descale: Any, positions: Positions | None
+) -> torch.Tensor:
+    """(B, H, L, E) float32 queries times FA3's FP8 descale factors, so that q·k·scale is the logit the
+    kernel computes: ``(q·k) · q_descale[b, g] · k_descale[b, g] · softmax_scale``, one factor per batch
+    entry (document, when packed) and kv head g (``hopper/flash_api.cpp``: shapes (batch, num_heads_k);
+    ``flash_fwd_kernel_sm90.h`` multiplies the scale by their product). A float32 copy of q, made on
+    sampled steps only for FP8 calls."""
+    given = [d.float() for d in (q_descale, k_descale) if d is not None]
+    factor = given[0] if len(given) == 1 else given[0] * given[1]  # (batch, Hkv)
+    per_head = factor.repeat_interleave(q.shape[1] // factor.shape[1], dim=1)  # (batch, H)
+    if positions is not None and positions.q_doc is not None:  # packed: one row per document
+        per_query = per_head[positions.q_doc.clamp(min=0)]  # (T, H)
+        return q.float() * per_query.t().reshape(1, q.shape[1], -1, 1)
+    return q.float() * per_head.reshape(per_head.shape[0], q.shape[1], 1, 1)
 
 
 def map_packed_qk(a: dict[str, Any], f: Any, g: Any) -> None:
@@ -145,8 +165,10 @@ def read_flash2(a: Mapping[str, Any]) -> QKCall:
 
 
 def read_flash3(a: Mapping[str, Any]) -> QKCall:
-    """``flash_attn_3::_flash_attn_forward`` (dense, or packed with ``cu_seqlens_q/k``) and the Python
-    entry points (`entry_arguments`)."""
+    """``flash_attn_3::_flash_attn_forward``, the C++ op ``flash_attn_3::fwd`` under it (its schema says
+    ``is_causal``, ``q_v``; FA3 builds from May to July 2025 call it straight from Python), dense or
+    packed with ``cu_seqlens_q/k``, and the Python entry points (`entry_arguments`). FP8 calls: the
+    logits include ``q_descale`` · ``k_descale`` (`descaled_queries`)."""
     a = entry_arguments(a)
     _refuse(
         a,
@@ -176,6 +198,8 @@ def read_flash3(a: Mapping[str, Any]) -> QKCall:
         window=window(a.get("window_size_left"), a.get("window_size_right")),
         chunk=int(chunk) if chunk else 0,
     )
+    if a.get("q_descale") is not None or a.get("k_descale") is not None:
+        q = descaled_queries(q, a.get("q_descale"), a.get("k_descale"), positions)
     return QKCall(q, k, a.get("softmax_scale"), positions=positions, softcap=positive(a.get("softcap")))
 
 
@@ -229,7 +253,7 @@ FLASH3 = add(
         "flash_attn_3",
         "flash-attn 3",
         read_flash3,
-        ops=("flash_attn_3::_flash_attn_forward",),
+        ops=("flash_attn_3::_flash_attn_forward", "flash_attn_3::fwd"),
         functions=FLASH3_ENTRY_POINTS,
         cap=cap_argument,
         map_qk=map_packed_qk,

@@ -8,8 +8,12 @@ causal top-left (``LowerTriangularMask``, ``…WithTensorBias`` adding its ``_bi
 (``LowerTriangularFromBottomRightMask``), sliding windows (``…LocalAttention…`` with ``_window_size`` w:
 the w keys up to the query's position; ``LocalAttentionFromBottomRightMask`` with ``window_left`` /
 ``window_right``), packed documents (``BlockDiagonal…`` with ``q_seqinfo.seqstart`` /
-``k_seqinfo.seqstart``, causal top-left or bottom-right per document). Any other bias is materialised
-through its own ``materialize`` when that stays small, else the call is refused (ValueError).
+``k_seqinfo.seqstart``, causal top-left or bottom-right per document), and their padded-keys and
+gappy-keys forms (``BlockDiagonal…PaddedKeysMask``, ``…GappyKeysMask``: key block b starts at
+``k_seqinfo.seqstart[b]`` and holds ``k_seqinfo.seqlen[b]`` keys; the padding or gap after it is no key;
+``CausalWithOffset`` is causal bottom-right by the used lengths). Paged biases (a KV cache in pages,
+inference) are refused. Any other bias is materialised through its own ``materialize`` when that stays
+small, else the call is refused (ValueError).
 """
 
 from __future__ import annotations
@@ -34,6 +38,9 @@ _CAUSAL = {
     "BlockDiagonalCausalLocalAttentionMask": "top_left",
     "BlockDiagonalCausalFromBottomRightMask": "bottom_right",
     "BlockDiagonalCausalLocalAttentionFromBottomRightMask": "bottom_right",
+    "BlockDiagonalCausalWithOffsetPaddedKeysMask": "bottom_right",
+    "BlockDiagonalCausalLocalAttentionPaddedKeysMask": "bottom_right",
+    "BlockDiagonalCausalWithOffsetGappyKeysMask": "bottom_right",
 }
 
 
@@ -44,6 +51,26 @@ def _heads_first(x: torch.Tensor, key: bool) -> torch.Tensor:
     elif x.dim() == 5:
         x = x[:, :, :, 0] if key and x.shape[3] > 1 and x.stride(3) == 0 else x.flatten(2, 3)
     return x.transpose(1, 2)
+
+
+_TWO_SIDED = ("LocalAttentionFromBottomRightMask", "BlockDiagonalLocalAttentionPaddedKeysMask")
+"""Biases with ``window_left`` / ``window_right`` around the bottom-right diagonal, not causal."""
+
+
+def _packed(bias: Any, device: torch.device, n_q: int, n_k: int, **masks: Any) -> Positions:
+    """The documents of a ``BlockDiagonal…`` bias. Its keys are packed back to back (``_SeqLenInfo``:
+    ``seqstart`` (b + 1,) cumulative), or each block starts at ``seqstart[b]`` and holds ``seqlen[b]``
+    keys (``_PaddedSeqLenInfo``: padded to ``padding``; ``_GappySeqInfo``: anywhere): the rest of a
+    padded or gappy block is not a key."""
+    cu_q = bias.q_seqinfo.seqstart.to(device)
+    k_info = bias.k_seqinfo
+    starts_k = k_info.seqstart.to(device)
+    lengths = getattr(k_info, "seqlen", None)
+    if lengths is None:
+        return Positions.packed(cu_q, starts_k, n_q, n_k, **masks)
+    lengths = lengths.to(device).long()
+    cu_k = torch.cat([lengths.new_zeros(1), lengths.cumsum(0)])
+    return Positions.packed(cu_q, cu_k, n_q, n_k, starts_k=starts_k, **masks)
 
 
 def read_xformers(a: Mapping[str, Any]) -> QKCall:
@@ -63,16 +90,16 @@ def read_xformers(a: Mapping[str, Any]) -> QKCall:
     w = getattr(bias, "_window_size", None)
     if "LocalAttention" in name and isinstance(w, int) and w > 0:
         window = (w - 1, 0)
-    if name == "LocalAttentionFromBottomRightMask":
+    two_sided = name in _TWO_SIDED
+    if two_sided:
         window, align = (int(bias.window_left), int(bias.window_right)), None
     masks: dict[str, Any] = {"causal": align is not None, "window": window}
-    bottom = align == "bottom_right" or name == "LocalAttentionFromBottomRightMask"
+    bottom = align == "bottom_right" or two_sided
+    if name.startswith("Paged"):
+        raise ValueError(f"xformers attention bias {name} (a paged KV cache, inference): not measured")
     if name.startswith("BlockDiagonal"):
-        cu_q, cu_k = bias.q_seqinfo.seqstart, bias.k_seqinfo.seqstart
-        call.positions = Positions.packed(
-            cu_q.to(q.device), cu_k.to(q.device), n_q, n_k, bottom_right=bottom, **masks
-        )
-    elif name in _CAUSAL or name == "LocalAttentionFromBottomRightMask":
+        call.positions = _packed(bias, q.device, n_q, n_k, bottom_right=bottom, **masks)
+    elif name in _CAUSAL or two_sided:
         call.positions = Positions.aligned(n_q, n_k, q.device, bottom_right=bottom, **masks)
     else:
         shape = (q.shape[0], q.shape[1], n_q, n_k)

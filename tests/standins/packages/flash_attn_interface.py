@@ -92,15 +92,39 @@ def _doc_allowed(sq, sk, causal, left, right, chunk, device):
     )
 
 
+def _descaled(x, descale, b, heads):
+    """(1, heads, n, d) ``x`` times its FP8 descale factor of batch entry ``b``: ``descale`` is
+    (batch, num_heads_k), one factor per kv head, repeated over the query heads of a group."""
+    if descale is None:
+        return x
+    per_head = descale[b].to(x.dtype).repeat_interleave(heads // descale.shape[1])  # (heads,)
+    return x * per_head.view(1, heads, 1, 1)
+
+
 def _forward_impl(
-    q, k, v, cu_seqlens_q, cu_seqlens_k, seqused_q, seqused_k, scale, causal, left, right, chunk, softcap
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    seqused_q,
+    seqused_k,
+    scale,
+    causal,
+    left,
+    right,
+    chunk,
+    softcap,
+    descale=(None, None, None),
 ):
     varlen_q, varlen_k = cu_seqlens_q is not None, cu_seqlens_k is not None
     batch_size = cu_seqlens_q.numel() - 1 if varlen_q else q.shape[0]
     qsegs = _segments(q, cu_seqlens_q, seqused_q, batch_size)
     ksegs = _segments(k, cu_seqlens_k, seqused_k, batch_size)
     num_heads = q.shape[-2]
-    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=q.dtype, device=q.device)
+    fp8 = q.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    out_dtype = torch.bfloat16 if fp8 else q.dtype  # FA3's FP8 path writes a bf16 output
+    out = torch.zeros((*q.shape[:-1], v.shape[-1]), dtype=out_dtype, device=q.device)
     if varlen_q:
         lse = torch.full((num_heads, q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
     else:
@@ -108,9 +132,9 @@ def _forward_impl(
     cd = compute_dtype(q.dtype)
     for b in range(batch_size):
         (q0, nq), (k0, nk) = qsegs[b], ksegs[b]
-        qb = _rows(q, varlen_q, q0, nq).transpose(1, 2).to(cd)
-        kb = _rows(k, varlen_k, k0, nk).transpose(1, 2).to(cd)
-        vb = _rows(v, varlen_k, k0, nk).transpose(1, 2).to(cd)
+        qb = _descaled(_rows(q, varlen_q, q0, nq).transpose(1, 2).to(cd), descale[0], b, num_heads)
+        kb = _descaled(_rows(k, varlen_k, k0, nk).transpose(1, 2).to(cd), descale[1], b, k.shape[-2])
+        vb = _descaled(_rows(v, varlen_k, k0, nk).transpose(1, 2).to(cd), descale[2], b, v.shape[-2])
         o, lse_b, _ = attention(
             qb,
             kb,
@@ -119,7 +143,7 @@ def _forward_impl(
             allowed=_doc_allowed(nq, nk, causal, left, right, chunk, q.device),
             softcap=softcap,
         )
-        o = o[0].transpose(0, 1).to(q.dtype)
+        o = o[0].transpose(0, 1).to(out_dtype)
         if varlen_q:
             out[q0 : q0 + nq] = o
             lse[:, q0 : q0 + nq] = lse_b[0].float()
@@ -127,6 +151,129 @@ def _forward_impl(
             out[b, :nq] = o
             lse[b, :, :nq] = lse_b[0].float()
     return out, lse
+
+
+FWD_SCHEMA = (
+    "fwd("
+    "Tensor q,"
+    "Tensor k,"
+    "Tensor v,"
+    "Tensor(k_new!)? k_new = None,"
+    "Tensor(v_new!)? v_new = None,"
+    "Tensor? q_v = None,"
+    "Tensor(out!)? out = None,"
+    "Tensor? cu_seqlens_q = None,"
+    "Tensor? cu_seqlens_k = None,"
+    "Tensor? cu_seqlens_k_new = None,"
+    "Tensor? seqused_q = None,"
+    "Tensor? seqused_k = None,"
+    "int? max_seqlen_q = None,"
+    "int? max_seqlen_k = None,"
+    "Tensor? page_table = None,"
+    "Tensor? kv_batch_idx = None,"
+    "Tensor? leftpad_k = None,"
+    "Tensor? rotary_cos = None,"
+    "Tensor? rotary_sin = None,"
+    "Tensor? seqlens_rotary = None,"
+    "Tensor? q_descale = None,"
+    "Tensor? k_descale = None,"
+    "Tensor? v_descale = None,"
+    "float? softmax_scale = None,"
+    "bool is_causal = False,"
+    "int window_size_left = -1,"
+    "int window_size_right = -1,"
+    "int attention_chunk = 0,"
+    "float softcap = 0.0,"
+    "bool is_rotary_interleaved = False,"
+    "Tensor? scheduler_metadata = None,"
+    "int num_splits = 0,"
+    "bool? pack_gqa = None,"
+    "int sm_margin = 0) -> (Tensor(out!), Tensor, Tensor, Tensor)"
+)
+"""``flash_attn_3::fwd`` as ``hopper/flash_api.cpp`` registers it (``TORCH_LIBRARY(flash_attn_3, m)``, the same
+in ``flash_api_stable.cpp``): the C++ forward every FA3 build from mid-2025 on exposes. Builds between
+db4baba2 (2025-05-22) and c7697bbf (2025-07-16) call it straight from the Python ``_flash_attn_forward``
+(a plain function then, ``flash_attn_3_cuda = torch.ops.flash_attn_3``); later ones from inside the
+``flash_attn_3::_flash_attn_forward`` custom op, as below."""
+
+_LIB = torch.library.Library("flash_attn_3", "FRAGMENT")  # kept alive: the op lives while it does
+_LIB.define(FWD_SCHEMA)
+
+
+def _fwd(
+    q,
+    k,
+    v,
+    k_new=None,
+    v_new=None,
+    q_v=None,
+    out=None,
+    cu_seqlens_q=None,
+    cu_seqlens_k=None,
+    cu_seqlens_k_new=None,
+    seqused_q=None,
+    seqused_k=None,
+    max_seqlen_q=None,
+    max_seqlen_k=None,
+    page_table=None,
+    kv_batch_idx=None,
+    leftpad_k=None,
+    rotary_cos=None,
+    rotary_sin=None,
+    seqlens_rotary=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
+    softmax_scale=None,
+    is_causal=False,
+    window_size_left=-1,
+    window_size_right=-1,
+    attention_chunk=0,
+    softcap=0.0,
+    is_rotary_interleaved=False,
+    scheduler_metadata=None,
+    num_splits=0,
+    pack_gqa=None,
+    sm_margin=0,
+):
+    _not_supported(
+        k_new=k_new,
+        v_new=v_new,
+        qv=q_v,
+        out_=out,
+        cu_seqlens_k_new=cu_seqlens_k_new,
+        page_table=page_table,
+        kv_batch_idx=kv_batch_idx,
+        leftpad_k=leftpad_k,
+        rotary_cos=rotary_cos,
+        rotary_sin=rotary_sin,
+        seqlens_rotary=seqlens_rotary,
+    )
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** (-0.5)
+    result, softmax_lse = _forward_impl(
+        q,
+        k,
+        v,
+        cu_seqlens_q,
+        cu_seqlens_k,
+        seqused_q,
+        seqused_k,
+        softmax_scale,
+        is_causal,
+        window_size_left,
+        window_size_right,
+        attention_chunk,
+        softcap,
+        (q_descale, k_descale, v_descale),
+    )
+    empty = torch.tensor([], device=result.device)
+    return result, softmax_lse, empty, empty.clone()
+
+
+for _key in ("CPU", "CUDA"):
+    _LIB.impl("fwd", _fwd, _key)
+flash_attn_3_gpu = torch.ops.flash_attn_3
 
 
 @torch.library.custom_op("flash_attn_3::_flash_attn_forward", mutates_args=(), device_types=_DEVICE_TYPES)
@@ -166,42 +313,45 @@ def _flash_attn_forward(
     pack_gqa: bool | None = None,
     sm_margin: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    _not_supported(
-        k_new=k_new,
-        v_new=v_new,
-        qv=qv,
-        out_=out_,
-        cu_seqlens_k_new=cu_seqlens_k_new,
-        page_table=page_table,
-        kv_batch_idx=kv_batch_idx,
-        leftpad_k=leftpad_k,
-        rotary_cos=rotary_cos,
-        rotary_sin=rotary_sin,
-        seqlens_rotary=seqlens_rotary,
-        q_descale=q_descale,
-        k_descale=k_descale,
-        v_descale=v_descale,
-    )
-    q, k, v = [maybe_contiguous(x) for x in (q, k, v)]
-    if softmax_scale is None:
-        softmax_scale = q.shape[-1] ** (-0.5)
-    out, softmax_lse = _forward_impl(
+    q, k, k_new, v_new = [maybe_contiguous(x) for x in (q, k, k_new, v_new)]
+    v = v.contiguous() if v.stride(-1) != 1 and v.stride(-3) != 1 else v
+    out, softmax_lse, out_accum, softmax_lse_accum = flash_attn_3_gpu.fwd(
         q,
         k,
         v,
+        k_new,
+        v_new,
+        qv,
+        out_,
         cu_seqlens_q,
         cu_seqlens_k,
+        cu_seqlens_k_new,
         seqused_q,
         seqused_k,
+        max_seqlen_q,
+        max_seqlen_k,
+        page_table,
+        kv_batch_idx,
+        leftpad_k,
+        rotary_cos,
+        rotary_sin,
+        seqlens_rotary,
+        q_descale,
+        k_descale,
+        v_descale,
         softmax_scale,
         causal,
         window_size_left,
         window_size_right,
         attention_chunk,
         softcap,
+        rotary_interleaved,
+        scheduler_metadata,
+        num_splits,
+        pack_gqa,
+        sm_margin,
     )
-    empty = torch.tensor([], device=out.device)
-    return out, softmax_lse, empty, empty.clone()
+    return out, softmax_lse, out_accum, softmax_lse_accum
 
 
 @torch.library.register_fake("flash_attn_3::_flash_attn_forward")

@@ -6,7 +6,7 @@ Copyright (c) Facebook, Inc. and its affiliates — keeping names, fields (``q_s
 ``seqstart``, ``seqstart_py``, ``max_seqlen``, ``min_seqlen``, ``_window_size``, ``window_left``,
 ``window_right``, ``_bias``, ``_batch_sizes``) and ``materialize(shape, dtype=torch.float32, device="cpu")``
 (additive float mask, 0 where allowed, -inf where blocked) unchanged. Only the subset used for training
-is kept: the paged / padded-keys / gappy biases are left out.
+is kept: the paged biases are left out (padded-keys and gappy-keys biases are in, at the end).
 
 Mask semantics (materialize), with i the query row and j the key column of one block:
 
@@ -20,12 +20,20 @@ Mask semantics (materialize), with i the query row and j the key column of one b
   + bottom-right causal inside each block (needs num_keys >= num_queries per block).
 - BlockDiagonalCausalLocalAttentionMask(_window_size=w): + i - w < j <= i inside each block (top-left);
   BlockDiagonalCausalLocalAttentionFromBottomRightMask: the same, bottom-right.
+- BlockDiagonal…PaddedKeysMask: keys in blocks padded to ``kv_padding`` (``k_seqinfo``: ``_PaddedSeqLenInfo``,
+  ``seqstart`` every ``padding`` keys, ``seqlen`` the used lengths); query block b sees the first
+  ``seqlen[b]`` keys of key block b only — the padding is never a key. CausalWithOffset: bottom-right causal
+  by the block's used lengths; LocalAttention: LocalAttentionFromBottomRightMask per block;
+  CausalLocalAttention: bottom-right causal with ``_window_size``.
+- BlockDiagonal…GappyKeysMask: the same with key blocks anywhere (``_GappySeqInfo``: ``seqstart`` (b + 1,),
+  last = the total, ``seqlen`` (b,)); CausalWithOffset: bottom-right causal per block.
 """
 
 # ruff: noqa: B007, RUF059  (copied from xformers as is)
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -881,3 +889,634 @@ torch._dynamo.allow_in_graph(LowerTriangularMask)
 torch._dynamo.allow_in_graph(LowerTriangularMaskWithTensorBias)
 
 VARLEN_BIASES = (BlockDiagonalMask,)
+
+
+# ---- padded-keys and gappy-keys biases (same source; make_paged / make_local_attention left out: paged
+# attention is an inference feature, refused by stabkit's reader)
+
+
+@dataclass
+class _PaddedSeqLenInfo(_SeqLenInfo):
+    """
+    (Internal)  Represents the division of a dimension into blocks which are
+    padded out to the same total length.
+
+    For example, to represent a dimension of length 12 with space for
+    three blocks of length 4, but where the occupied lengths are
+    2, 3 and 2, use `from_seqlens_padded([2, 3, 2], 4)`.
+
+    The layout along the dimension is
+
+     0 ─►  block 0
+           block 0
+           <space>
+           <space>
+     4 ─►  block 1
+           block 1
+           block 1
+           <space>
+     8 ─►  block 2
+           block 2
+           <space>
+           <space>
+    12 ─►
+
+    The members will be:
+        max_seqlen: 3
+        min_seqlen: 2
+        seqstart_py: [0, 4, 8, 12]
+        seqstart: torch.IntTensor([0, 4, 8, 12])
+        seqlen_py: [2, 3, 2]
+        seqlen: torch.IntTensor([2, 3, 2])
+        padding: 4
+    """
+
+    seqlen: torch.Tensor
+    seqlen_py: list[int]
+    padding: int
+    # From parent: seqstart[i] contains the start position
+    # of the i-th sequence
+    # seqstart: torch.Tensor
+
+    def __post_init__(self) -> None:
+        assert len(self.seqstart_py) == len(self.seqlen_py) + 1
+
+    def to(self, device: torch.device) -> "_PaddedSeqLenInfo":
+        assert type(self) is _PaddedSeqLenInfo, "Please implement in subclass"
+        if self.seqlen.device == device:
+            return self
+        return _PaddedSeqLenInfo(
+            # _SeqLenInfo
+            seqstart=_to_device(self.seqstart, device),
+            max_seqlen=self.max_seqlen,
+            min_seqlen=self.min_seqlen,
+            seqstart_py=self.seqstart_py,
+            # _PaddedSeqLenInfo
+            seqlen=_to_device(self.seqlen, device),
+            seqlen_py=self.seqlen_py,
+            padding=self.padding,
+        )
+
+    def intervals(self) -> Iterable[tuple[int, int]]:
+        for (start, _), length in zip(super().intervals(), self.seqlen_py):
+            yield start, start + length
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Iterable[int], *, device: torch.device | None = None) -> "_SeqLenInfo":
+        raise RuntimeError("Use either `_SeqLenInfo.from_seqlens` or `_PaddedSeqLenInfo.from_seqlens_padded`")
+
+    @classmethod
+    def from_seqlens_padded(
+        cls,
+        seqlens: Sequence[int],
+        padding: int,
+        *,
+        device: torch.device | None = None,
+    ) -> "_PaddedSeqLenInfo":
+        """
+        Input tensors are assumed to be in shape [B, M, *]
+        seqstart = padding * torch.arange(batch_size)
+        """
+        assert not isinstance(seqlens, torch.Tensor)
+        assert all(seqlen <= padding for seqlen in seqlens), f"Seqlens {seqlens} Padding {padding}"
+        device = _get_default_bias_device(device)
+        seqstart_py = list(range(0, len(seqlens) * padding + 1, padding))
+        seqlen = _to_device_tensor(seqlens, dtype=torch.int32, device=device)
+        return cls(
+            seqlen=seqlen,
+            seqlen_py=seqlens if isinstance(seqlens, list) else list(seqlens),
+            max_seqlen=max(seqlens),
+            min_seqlen=min(seqlens),
+            seqstart=_to_device_tensor(seqstart_py, dtype=torch.int32, device=device),
+            seqstart_py=seqstart_py,
+            padding=padding,
+        )
+
+    def from_seqlens_padded_inplace(self, seqlens: Sequence[int]) -> None:
+        """
+        Perform in-place update. You can only update with the same shape.
+        Can be useful with CUDA graphs.
+        Note: we don't update padding because they would have been already baked
+        into CUDA graphs during the generation.
+        """
+        assert not isinstance(seqlens, torch.Tensor)
+        assert all(seqlen <= self.padding for seqlen in seqlens), f"Seqlens {seqlens} Padding {self.padding}"
+        seqlen_tensor = torch.tensor(seqlens, dtype=torch.int32)
+
+        assert len(self.seqlen_py) == len(seqlens), (
+            f"Old/New len {len(self.seqlen_py)} / {len(seqlens)}, Contents {self.seqlen_py} / {seqlens}"
+        )
+        assert self.max_seqlen >= max(seqlens), (
+            f"For inplace update, new max_seqlen {max(seqlens)} "
+            f"cannot exceed the previous max_seqlen {self.max_seqlen}"
+        )
+
+        for i in range(len(self.seqlen_py)):
+            self.seqlen_py[i] = seqlens[i]
+
+        self.seqlen.copy_(seqlen_tensor, non_blocking=True)
+
+    def split(self, x: torch.Tensor, batch_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        raise NotImplementedError("_PaddedSeqLenInfo.split")
+
+
+@dataclass
+class _GappySeqInfo(_SeqLenInfo):
+    """
+    (Internal) Flexible equivalent of _PaddedSeqLenInfo. There are two
+    distinct semantics.
+
+    (1) For non-paged masks:
+    Represents the division of a dimension into blocks which are
+    anywhere. Each just has a start and a length. The final start is the total
+    length of the dimension.
+
+    For example, to represent a dimension of length 14 like follows with
+    three occupied lengths of
+    6, 3 and 1, use `from_seqlens_padded([0, 7, 12, 14], [6, 3, 1])`.
+
+    The layout along the dimension is
+
+     0 ─►  block 0
+           block 0
+           block 0
+           block 0
+     4 ─►  block 0
+           block 0
+           <space>
+           block 1
+     8 ─►  block 1
+           block 1
+           <space>
+           <space>
+     12 ─► block 2
+           <space>
+
+    The members will be:
+        max_seqlen: 6
+        min_seqlen: 1
+        seqstart_py: [0, 7, 12, 14]
+        seqstart: torch.IntTensor([0, 7, 12, 14])
+        seqlen_py: [6, 3, 1]
+        seqlen: torch.IntTensor([6, 3, 1])
+
+    (2) For paged masks:
+    The notional space is divided into batch-size-many blocks.
+    seqstart and seqstart_py is an offset in the block, not in
+    the whole space, and the extra last element is not important.
+    And seqlen is the index of the last key in the block.
+    Otherwise as above.
+    """
+
+    seqlen: torch.Tensor
+    seqlen_py: Sequence[int]
+    # From parent: seqstart[i] contains the start position
+    # of the i-th sequence
+    # seqstart: torch.Tensor
+
+    def to(self, device: torch.device) -> "_GappySeqInfo":
+        assert type(self) is _GappySeqInfo, "Please implement in subclass"
+        if self.seqlen.device == device:
+            return self
+        return _GappySeqInfo(
+            # _SeqLenInfo
+            seqstart=_to_device(self.seqstart, device),
+            max_seqlen=self.max_seqlen,
+            min_seqlen=self.min_seqlen,
+            seqstart_py=self.seqstart_py,
+            # _GappySeqInfo
+            seqlen=_to_device(self.seqlen, device),
+            seqlen_py=self.seqlen_py,
+        )
+
+    def intervals(self) -> Iterable[tuple[int, int]]:
+        for (start, _), length in zip(super().intervals(), self.seqlen_py):
+            yield start, start + length
+
+    @classmethod
+    def from_seqlens(cls, seqlens: Iterable[int], *, device: torch.device | None = None) -> "_SeqLenInfo":
+        raise NotImplementedError()
+
+    @classmethod
+    def from_seqlens_gappy(
+        cls,
+        seqstarts: Sequence[int],
+        seqlens: Sequence[int],
+        paged: bool,
+        *,
+        device: torch.device,
+    ) -> "_GappySeqInfo":
+        assert not isinstance(seqlens, torch.Tensor)
+        seqstart_py = list(seqstarts)
+        if len(seqlens) == 0:
+            raise ValueError("No elements")
+        if len(seqstarts) - len(seqlens) != 1:
+            raise ValueError(f"len(seqstarts)={seqstarts} should be len(seqlens)={seqlens}")
+        max_seqlen = max(seqlens)
+        min_seqlen = min(seqlens)
+        if paged:
+            seqstart_py.append(-1)
+            seqlens = [i + j for i, j in zip(seqstart_py, seqlens)]
+        seqlen = _to_device_tensor(seqlens, dtype=torch.int32, device=device)
+        return cls(
+            seqlen=seqlen,
+            seqlen_py=seqlens,
+            max_seqlen=max_seqlen,
+            min_seqlen=min_seqlen,
+            seqstart=_to_device_tensor(seqstart_py, dtype=torch.int32, device=device),
+            seqstart_py=seqstart_py,
+        )
+
+    def split(self, x: torch.Tensor, batch_sizes: Sequence[int] | None = None) -> list[torch.Tensor]:
+        raise NotImplementedError("_GappySeqInfo.split")
+
+
+@dataclass
+class BlockDiagonalPaddedKeysMask(AttentionBias):
+    """
+    Same as :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalMask`,
+    except we support padding for k/v
+
+    The keys and values are divided into blocks which are padded out to
+    the same total length.
+    For example, if there is space for 12 keys, for three blocks of
+    max length 4, but we only want to use the first 2, 3 and 2
+    of each block, use `kv_padding=4` and `kv_seqlens=[2, 3, 2]`.
+    The queries are divided into blocks, without padding, of lengths given by
+    q_seqlen.
+
+    A query Q in block i cannot attend to a key which is not in block i,
+    nor one which is not in use (i.e. in the padded area).
+    """
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _PaddedSeqLenInfo
+
+    def to(self, device) -> "BlockDiagonalPaddedKeysMask":
+        assert type(self) is BlockDiagonalPaddedKeysMask, "Please implement in subclass"
+        return BlockDiagonalPaddedKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+        )
+
+    def _create_block_mask(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        return torch.zeros([1], device=device, dtype=dtype)
+
+    def materialize(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Materialize the attention bias - for debugging & testing"""
+        if shape[-1] != self.k_seqinfo.seqstart_py[-1]:
+            raise ValueError("k shapes wrong")
+        if shape[-2] != self.q_seqinfo.seqstart_py[-1]:
+            raise ValueError("q shapes wrong")
+        mask = torch.empty(shape[-2:], dtype=dtype, device=device)
+        mask.fill_(-math.inf)
+        for i, ((q_start, q_end), (k_start, k_end)) in enumerate(
+            zip(
+                self.q_seqinfo.intervals(),
+                self.k_seqinfo.intervals(),
+            )
+        ):
+            mask[q_start:q_end, k_start:k_end] = self._create_block_mask(
+                (q_end - q_start, k_end - k_start),
+                dtype=dtype,
+                device=device,
+            )
+        for _ in range(len(shape) - 2):
+            mask = mask.unsqueeze(0)
+        return mask.expand(shape)
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        q_seqlen: Sequence[int],
+        kv_padding: int,
+        kv_seqlen: Sequence[int],
+        causal_diagonal: Any = None,
+        *,
+        device: torch.device | None = None,
+    ) -> "BlockDiagonalPaddedKeysMask":
+        """Creates a :attr:`BlockDiagonalPaddedKeysMask` from a list of tensor
+        lengths for query and key/value.
+
+        Args:
+            q_seqlen (Sequence[int]): List or tensor of sequence lengths for query tensors
+            kv_padding (int): Padding for k/v - also an upperbound on each individual key length
+            kv_seqlen (Sequence[int]): List or tensor of sequence lengths for key/value.
+            causal_diagonal: unused, for BC only
+        Returns:
+            BlockDiagonalPaddedKeysMask
+        """
+        device = _get_default_bias_device(device)
+        assert kv_seqlen is None or len(q_seqlen) == len(kv_seqlen), (
+            q_seqlen,
+            kv_seqlen,
+        )
+        q_seqinfo = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
+        k_seqinfo = _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device=device)
+        return cls(q_seqinfo=q_seqinfo, k_seqinfo=k_seqinfo)
+
+
+@dataclass
+class BlockDiagonalCausalWithOffsetPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """
+    Same as :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask`,
+    except an offset on causality is allowed for each block and we support padding for k/v
+
+    The keys and values are divided into blocks which are padded out to
+    the same total length.
+    For example, if there is space for 12 keys, for three blocks of
+    max length 4, but we only want to use the first 2, 3 and 2
+    of each block, use `kv_padding=4` and `kv_seqlens=[2, 3, 2]`.
+    The queries are divided into blocks, without padding, of lengths given by
+    q_seqlen.
+
+    A query Q in block i cannot attend to a key which is not in block i,
+    nor one which is not in use (i.e. in the padded area),
+    nor one which is nearer to the final key in block i
+    than Q is to the final query in block i.
+    """
+
+    causal_diagonal: Any = None  # unused. Exists for BC only.
+
+    def to(self, device) -> "BlockDiagonalCausalWithOffsetPaddedKeysMask":
+        assert type(self) is BlockDiagonalCausalWithOffsetPaddedKeysMask, "Please implement in subclass"
+        return BlockDiagonalCausalWithOffsetPaddedKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+        )
+
+    def _create_block_mask(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        return LowerTriangularFromBottomRightMask().materialize(shape=shape, dtype=dtype, device=device)
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        q_seqlen: Sequence[int],
+        kv_padding: int,
+        kv_seqlen: Sequence[int],
+        causal_diagonal: Any = None,
+        *,
+        device: torch.device | None = None,
+    ) -> "BlockDiagonalCausalWithOffsetPaddedKeysMask":
+        """Creates a :attr:`BlockDiagonalCausalWithOffsetPaddedKeysMask` from a list of tensor
+        lengths for query and key/value.
+
+        Args:
+            q_seqlen (Sequence[int]): List or tensor of sequence lengths for query tensors
+            kv_padding (int): Padding for k/v - also an upperbound on each individual key length
+            kv_seqlen (Sequence[int]): List or tensor of sequence lengths for key/value.
+            causal_diagonal: unused, for BC only
+        Returns:
+            BlockDiagonalCausalWithOffsetPaddedKeysMask
+        """
+        assert kv_seqlen is None or len(q_seqlen) == len(kv_seqlen), (
+            q_seqlen,
+            kv_seqlen,
+        )
+        device = _get_default_bias_device(device)
+        q_seqinfo = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
+        k_seqinfo = _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding, device=device)
+        return cls(q_seqinfo=q_seqinfo, k_seqinfo=k_seqinfo)
+
+
+@dataclass
+class BlockDiagonalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """
+    Like :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalCausalLocalAttentionPaddedKeysMask`,
+    except that this is non-causal.
+
+    A query Q in block i cannot attend to a key which is not in block i,
+    nor one which is not in use (i.e. in the padded area),
+    nor one whose distance to the final key in block i
+    is more than window_left further or window_right nearer
+    than Q is to the final query in block i.
+
+    A query attends to at most window_left + window_right - 1 keys.
+
+    NOTE that if window_right is 0, then this is like a
+    BlockDiagonalCausalLocalAttentionPaddedKeysMask whose window_size is equal to
+    window_left - 1.
+    """
+
+    window_left: int
+    window_right: int
+
+    def to(self, device) -> "BlockDiagonalLocalAttentionPaddedKeysMask":
+        assert type(self) is BlockDiagonalLocalAttentionPaddedKeysMask, "Please implement in subclass"
+        return BlockDiagonalLocalAttentionPaddedKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+            window_left=self.window_left,
+            window_right=self.window_right,
+        )
+
+    def _create_block_mask(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        return LocalAttentionFromBottomRightMask(
+            window_left=self.window_left, window_right=self.window_right
+        ).materialize(shape=shape, dtype=dtype, device=device)
+
+    @classmethod
+    def from_seqlens_local(
+        cls,
+        q_seqlen: Sequence[int],
+        kv_padding: int,
+        kv_seqlen: Sequence[int],
+        window_left: int,
+        window_right: int,
+    ) -> "BlockDiagonalLocalAttentionPaddedKeysMask":
+        assert kv_seqlen is None or len(q_seqlen) == len(kv_seqlen), (
+            q_seqlen,
+            kv_seqlen,
+        )
+        q_seqinfo = _SeqLenInfo.from_seqlens(q_seqlen)
+        k_seqinfo = _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding)
+        return cls(
+            q_seqinfo=q_seqinfo,
+            k_seqinfo=k_seqinfo,
+            window_left=window_left,
+            window_right=window_right,
+        )
+
+
+@dataclass
+class BlockDiagonalCausalLocalAttentionPaddedKeysMask(BlockDiagonalPaddedKeysMask):
+    """
+    Like :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalCausalWithOffsetPaddedKeysMask`,
+    except with a window size.
+
+    A query Q in block i cannot attend to a key which is not in block i,
+    nor one which is not in use (i.e. in the padded area),
+    nor one which is nearer to the final key in block i
+    than Q is to the final query in block i, nor one that is at least
+    window_size further from the final key in block i than Q is
+    to the final query in block i.
+    """
+
+    _window_size: int
+
+    def to(self, device) -> "BlockDiagonalCausalLocalAttentionPaddedKeysMask":
+        assert type(self) is BlockDiagonalCausalLocalAttentionPaddedKeysMask, "Please implement in subclass"
+        return BlockDiagonalCausalLocalAttentionPaddedKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+            _window_size=self._window_size,
+        )
+
+    def _create_block_mask(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        return _materialize_causal_mask(
+            shape=shape,
+            dtype=dtype,
+            device=device,
+            window_size=self._window_size,
+            from_bottomright=True,
+        )
+
+    @classmethod
+    def from_seqlens_local(
+        cls,
+        q_seqlen: Sequence[int],
+        kv_padding: int,
+        kv_seqlen: Sequence[int],
+        window_size: int,
+    ) -> "BlockDiagonalCausalLocalAttentionPaddedKeysMask":
+        assert kv_seqlen is None or len(q_seqlen) == len(kv_seqlen), (
+            q_seqlen,
+            kv_seqlen,
+        )
+        q_seqinfo = _SeqLenInfo.from_seqlens(q_seqlen)
+        k_seqinfo = _PaddedSeqLenInfo.from_seqlens_padded(kv_seqlen, kv_padding)
+        return cls(q_seqinfo=q_seqinfo, k_seqinfo=k_seqinfo, _window_size=window_size)
+
+
+@dataclass
+class BlockDiagonalGappyKeysMask(AttentionBias):
+    """
+    Same as :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalMask`,
+    except k/v is gappy.
+
+    A query Q in block i only attends to a key which is in block i.
+    """
+
+    q_seqinfo: _SeqLenInfo
+    k_seqinfo: _GappySeqInfo
+
+    def to(self, device: torch.device) -> "BlockDiagonalGappyKeysMask":
+        assert type(self) is BlockDiagonalGappyKeysMask, "Please implement in subclass"
+        return BlockDiagonalGappyKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+        )
+
+    def materialize(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Materialize the attention bias - for debugging & testing"""
+        if shape[-1] != self.k_seqinfo.seqstart_py[-1]:
+            raise ValueError("k shapes wrong", (shape, self.k_seqinfo))
+        if shape[-2] != self.q_seqinfo.seqstart_py[-1]:
+            raise ValueError("q shapes wrong", (shape, self.q_seqinfo))
+        mask = torch.empty(shape[-2:], dtype=dtype, device=device)
+        mask.fill_(-math.inf)
+        for (q_start, q_end), (k_start, k_end) in zip(
+            self.q_seqinfo.intervals(),
+            self.k_seqinfo.intervals(),
+        ):
+            mask[q_start:q_end, k_start:k_end] = 0
+        for _ in range(len(shape) - 2):
+            mask = mask.unsqueeze(0)
+        return mask.expand(shape)
+
+    @classmethod
+    def from_seqlens(
+        cls,
+        q_seqlen: Sequence[int],
+        kv_seqstarts: Sequence[int],
+        kv_seqlen: Sequence[int],
+        *,
+        device: torch.device | None = None,
+    ) -> "BlockDiagonalGappyKeysMask":
+        """Creates a :attr:`BlockDiagonalGappyKeysMask` from a list of tensor
+        lengths for query and key/value.
+        """
+        assert len(q_seqlen) == len(kv_seqlen), (
+            q_seqlen,
+            kv_seqlen,
+        )
+        device = _get_default_bias_device(device)
+        q_seqinfo = _SeqLenInfo.from_seqlens(q_seqlen, device=device)
+        k_seqinfo = _GappySeqInfo.from_seqlens_gappy(kv_seqstarts, kv_seqlen, False, device=device)
+        return cls(q_seqinfo=q_seqinfo, k_seqinfo=k_seqinfo)
+
+
+@dataclass
+class BlockDiagonalCausalWithOffsetGappyKeysMask(BlockDiagonalGappyKeysMask):
+    """
+    Same as :attr:`xformers.ops.fmha.attn_bias.BlockDiagonalCausalMask`,
+    except k/v is gappy.
+
+    A query Q in block i cannot attend to a key which is not in block i,
+    nor one which is nearer to the final key in block i
+    than Q is to the final query in block i.
+    """
+
+    def to(self, device: torch.device) -> "BlockDiagonalCausalWithOffsetGappyKeysMask":
+        assert type(self) is BlockDiagonalCausalWithOffsetGappyKeysMask, "Please implement in subclass"
+        return BlockDiagonalCausalWithOffsetGappyKeysMask(
+            q_seqinfo=self.q_seqinfo.to(device),
+            k_seqinfo=self.k_seqinfo.to(device),
+        )
+
+    def materialize(
+        self,
+        shape: tuple[int, ...],
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ) -> torch.Tensor:
+        """Materialize the attention bias - for debugging & testing"""
+        if shape[-1] != self.k_seqinfo.seqstart_py[-1]:
+            raise ValueError("k shapes wrong")
+        if shape[-2] != self.q_seqinfo.seqstart_py[-1]:
+            raise ValueError("q shapes wrong")
+        mask = torch.empty(shape[-2:], dtype=dtype, device=device)
+        mask.fill_(-math.inf)
+        for i, ((q_start, q_end), (k_start, k_end)) in enumerate(
+            zip(
+                self.q_seqinfo.intervals(),
+                self.k_seqinfo.intervals(),
+            )
+        ):
+            mask[q_start:q_end, k_start:k_end] = LowerTriangularFromBottomRightMask().materialize(
+                shape=(q_end - q_start, k_end - k_start), dtype=dtype, device=device
+            )
+
+        for _ in range(len(shape) - 2):
+            mask = mask.unsqueeze(0)
+        return mask.expand(shape)

@@ -2,7 +2,9 @@
 
 Pure PyTorch, tests only (see ``tests/standins/__init__.py``). Followed: NVIDIA/TransformerEngine @ d0067d0d
 (2.20.0.dev0) ``transformer_engine/pytorch/attention/dot_product_attention/dot_product_attention.py``
-(constructor and ``forward`` signatures, mask-type / window / diagonal-alignment resolution),
+(constructor and ``forward`` signatures, mask-type / window / diagonal-alignment resolution, the scale
+handed to the ``flash_attention`` / ``fused_attention`` / ``unfused_attention`` backends — the module keeps
+no ``softmax_scale`` of its own —, ``_unpack_packed_qkv``),
 ``.../dot_product_attention/utils.py`` (``check_set_window_size``, ``get_full_mask``, ``get_alibi``)
 and ``.../dot_product_attention/backends.py`` (``UnfusedDotProductAttention``: bias order, sink column,
 output layouts), which is the pure-PyTorch backend of the real module.
@@ -49,6 +51,8 @@ from collections.abc import Callable
 import torch
 from _standin_attention_math import alibi_bias, attention, compute_dtype, expand_kv, scores, window_mask
 from torch.utils.checkpoint import checkpoint
+
+from .backends import FlashAttention, FusedAttention, UnfusedDotProductAttention
 
 __standin__ = True
 
@@ -182,7 +186,6 @@ class DotProductAttention(torch.nn.Module):
         )
         if softmax_scale is None:
             softmax_scale = 1.0 / math.sqrt(kv_channels if isinstance(kv_channels, int) else kv_channels[0])
-        self.softmax_scale = softmax_scale
         assert attention_type in AttnTypes, f"attention_type {attention_type} not supported"
         self.attention_type = attention_type
         self.attention_dropout = attention_dropout
@@ -194,6 +197,26 @@ class DotProductAttention(torch.nn.Module):
         self.softmax_offset = None
         if softmax_type == "learnable":
             self.softmax_offset = torch.nn.Parameter(torch.zeros(num_attention_heads // self.tp_size))
+        attn_kwargs = {"attention_dropout": attention_dropout}
+        self.flash_attention = FlashAttention(
+            softmax_scale, attention_type=attention_type, layer_number=layer_number, **attn_kwargs
+        )
+        self.fused_attention = FusedAttention(
+            softmax_scale,
+            attention_type=attention_type,
+            layer_number=layer_number,
+            **attn_kwargs,
+            softmax_type=self.softmax_type,
+            return_max_logit=self.return_max_logit,
+        )
+        self.unfused_attention = UnfusedDotProductAttention(
+            softmax_scale,
+            attention_type=attention_type,
+            **attn_kwargs,
+            layer_number=layer_number,
+            softmax_type=self.softmax_type,
+            return_max_logit=self.return_max_logit,
+        )
 
     def _sink(self, device) -> torch.Tensor | None:
         if self.softmax_type == "off-by-one":
@@ -438,7 +461,7 @@ class DotProductAttention(torch.nn.Module):
             qt,
             kt,
             vt,
-            scale=self.softmax_scale,
+            scale=self.unfused_attention.softmax_scale,
             allowed=allowed,
             bias=bias,
             pre_scale_bias=pre_bias,
@@ -458,7 +481,7 @@ class DotProductAttention(torch.nn.Module):
             s = scores(
                 qt,
                 expand_kv(kt, heads),
-                scale=self.softmax_scale,
+                scale=self.unfused_attention.softmax_scale,
                 allowed=allowed,
                 bias=bias,
                 pre_scale_bias=pre_bias,
