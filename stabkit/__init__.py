@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from .detectors import DetectConfig
     from .discovery import DiscoveryError, ModelMap, inspect, inspect_model
     from .interventions import z_loss
+    from .moe.registry import register_router
     from .monitor import Monitor
     from .sinks.reader import load_run
 else:
@@ -47,6 +48,7 @@ _LAZY = {
     "Monitor": "monitor",
     "attach": "attaching",
     "register_kernel": "attention.kernels",
+    "register_router": "moe.registry",
     "load_run": "sinks.reader",
 }
 """Public name -> the submodule it comes from (imported on first access)."""
@@ -68,6 +70,7 @@ _SUBMODULES = frozenset(
         "interventions",
         "hooks",
         "lifecycle",
+        "moe",
         "monitor",
         "plugins",
         "probes",
@@ -97,5 +100,6 @@ __all__ = [
     "inspect_model",
     "load_run",
     "register_kernel",
+    "register_router",
     "z_loss",
 ]

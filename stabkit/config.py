@@ -21,14 +21,14 @@ from .tables import fill
 
 ModuleSelection = str | Sequence[str] | Callable[[str, nn.Module], bool] | None
 
-FAMILIES = ("act", "attn", "logits", "grad", "param", "update", "loss")
+FAMILIES = ("act", "attn", "logits", "grad", "param", "update", "loss", "moe")
 """Statistic families: activations, attention logits, output logits, gradients, parameter norms,
-update/parameter ratios, loss."""
+update/parameter ratios, loss, mixture-of-experts routing (only where discovery found a router)."""
 
 LOG_MODES = ("new", "append", "overwrite")
 """What attach does with a logdir that already holds a run: a new ``run-<n>`` folder, add to it, or clear it."""
 
-DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update", "loss"})
+DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update", "loss", "moe"})
 
 
 WANDB_MODES = (None, "online", "offline", "disabled", "shared")

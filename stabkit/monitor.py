@@ -126,6 +126,8 @@ class Monitor:
         """Set on SIGTERM (`stabkit.lifecycle`): every `step()` writes out at once."""
         self.probes: list[Probe] = []
         self._ending: list[Probe] = []
+        self._finishing: list[Probe] = []
+        """The probes that add host values to the rows after the host copy (`Probe.finish_rows`)."""
         """The probes with work at `step` (an `end_step` of their own), listed once at attach."""
         self.detectors: Decisions | None = None
         """The detectors and actions (`stabkit.decisions`), installed after the probes; None when
@@ -217,6 +219,7 @@ class Monitor:
         )
         self.probes = build_probes(cfg)
         self._ending = [p for p in self.probes if type(p).end_step is not Probe.end_step]
+        self._finishing = [p for p in self.probes if type(p).finish_rows is not Probe.finish_rows]
         self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
@@ -410,6 +413,8 @@ class Monitor:
         rows = self.recorder.drain()
         if self.dist.sharded:
             finish_ratios(rows)
+        for probe in self._finishing:
+            probe.finish_rows(rows)
         if self.detectors is not None and not self.detectors.removed:
             self.detectors.on_rows(rows)
         self._peeked = 0

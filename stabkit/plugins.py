@@ -122,6 +122,7 @@ PROBES: Registry[Any] = Registry(
         "grad": "stabkit.probes.grads:GradProbe",
         "attn": "stabkit.probes.attention:AttentionProbe",
         "outliers": "stabkit.probes.outliers:OutlierProbe",
+        "moe": "stabkit.moe.probe:MoEProbe",
     },
     "name",
     _add_families,

@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 import torch
 
+from ..moe.map import MoEMap
+
 Placement = Literal["pre", "post", "sandwich", "output", "unknown"]
 """Where a block's norms sit: 'pre' x + f(norm(x)); 'post' norm(x + f(x)); 'sandwich'
 x + norm_out(f(norm_in(x))); 'output' x + norm_out(f(x)) (OLMo 2); 'unknown'."""
@@ -221,6 +223,9 @@ class ModelMap:
     """Role -> how it was found ('traced', 'named', 'hint')."""
     gaps: list[str] = field(default_factory=list)
     """What discovery could not find, each with how to supply it (said once at attach; strict raises)."""
+    moe: list[MoEMap] = field(default_factory=list)
+    """The mixture-of-experts layers (router, E, k, experts, where the routing is read), in the order
+    they ran (`stabkit.moe.find`); empty for a dense model."""
 
     @property
     def block_paths(self) -> list[str]:
@@ -282,6 +287,7 @@ class ModelMap:
                     f"kv_heads={a.n_kv_heads} head_dim={a.head_dim} ({a.layout}, {a.impl}{extra}) [{a.found}]"
                 )
             lines.append(f"  mlp: {b.mlp}")
+            lines.extend(m.describe() for m in self.moe if self.block_of(m.path) == b.path)
             for n in b.norms:
                 lines.append(f"  norm: {n.path} ({n.kind}, {n.position} {n.sublayer})")
         lines.append(f"final norm: {self.final_norm}")
@@ -290,6 +296,7 @@ class ModelMap:
             where = self.logits.path or "<model output>"
             key = f" [{self.logits.key!r}]" if self.logits.key is not None else ""
             lines.append(f"logits: {where}{key} ({self.logits.found})")
+        lines.extend(m.describe() for m in self.moe if self.block_of(m.path) is None)
         lines.extend(f"note: {n}" for n in self.notes)
         lines.extend(f"gap: {g}" for g in self.gaps)
         return "\n".join(lines)
@@ -350,5 +357,6 @@ class ModelMap:
             output_head=j(self.output_head),
             embeddings=[j(e) or prefix for e in self.embeddings],
             logits=logits,
+            moe=[m.under(prefix) for m in self.moe],
             notes=[*self.notes, f"traced the submodule {prefix!r} (the model's own forward did not run)"],
         )

@@ -68,6 +68,8 @@ _MIXING = {
     torch.Tensor.cumprod,
 }
 
+_TOPK = {torch.topk, torch.Tensor.topk}
+
 
 _TRACING = [0]
 
@@ -152,6 +154,23 @@ class ModuleCall:
     """Id of its first tensor argument."""
     output: int | None = None
     """Id of the first tensor of its output."""
+    outputs: tuple[int | None, ...] = ()
+    """Ids of the items of a tuple/list output (None for an item that is not a tensor): where a
+    router returns its logits, scores and chosen experts (`stabkit.moe.find`)."""
+
+
+@dataclass
+class Selection:
+    """A ``topk`` op in the traced forward (how a MoE router picks its experts)."""
+
+    index: int
+    """Op index in the trace."""
+    input: int
+    """Id of the tensor it selects from."""
+    values: int
+    """Id of the selected values."""
+    indices: int
+    """Id of the selected indices."""
 
 
 @dataclass
@@ -178,6 +197,8 @@ class Trace:
     """Op indices of token-mixing ops (a product of two activations, a convolution, a cumulative
     sum): how a layer without attention (Mamba, linear attention, a convolution) is told from an MLP."""
     opaque_ops: list[tuple[str, tuple[str, ...]]] = field(default_factory=list)
+    selections: list[Selection] = field(default_factory=list)
+    """Every ``topk`` op (candidate MoE expert choices)."""
     param_like: set[int] = field(default_factory=set)
     """Ids of parameters and of tensors computed from parameters only (``w.T``, a bias slice)."""
     """(op name, module stack) of custom ops that may be attention kernels stabkit does not know."""
@@ -303,6 +324,8 @@ class _Recorder(TorchFunctionMode):
             elif kernels.is_op(func):
                 self._note_opaque(func, inputs)
         out = func(*args, **kwargs)
+        if func in _TOPK and inputs and isinstance(out, tuple) and len(out) == 2:
+            t.selections.append(Selection(index, id(inputs[0]), id(out[0]), id(out[1])))
         if func in _MIXING:
             t.mixing.append(index)
         out = self._projection(func, index, args, kwargs, out)
@@ -534,6 +557,8 @@ def _module_stack(model: nn.Module, trace: Trace, stack: list[str]) -> Iterator[
             call.end = trace.ops
             out = first_tensor_in(output)
             call.output = id(out) if out is not None else None
+            if isinstance(output, tuple | list):
+                call.outputs = tuple(id(o) if isinstance(o, torch.Tensor) else None for o in output)
             trace.keep.append(output)
 
         return hook

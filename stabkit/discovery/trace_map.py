@@ -11,6 +11,7 @@ from collections import Counter
 
 from torch import nn
 
+from ..moe.find import find_moe
 from .families import family_of
 from .families import mlp_path as mlp_path_by_name
 from .modelmap import AttentionMap, BlockMap, ModelMap
@@ -61,6 +62,7 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
             bm.index = index
         mmap = ModelMap(family="traced", blocks=units)
         mmap.found = {"blocks": "repeated units" if units else "none", "attention": "none"}
+        _find_moe(b, mmap)
         find_final_logits(b, mmap)
         mmap.gaps = gaps(b, mmap)
         return mmap
@@ -83,9 +85,20 @@ def map_from_trace(model: nn.Module, trace: Trace) -> ModelMap:
         bm.index = index
     mmap = ModelMap(family="traced", blocks=blocks)
     mmap.found = {"blocks": "traced", "attention": "traced", "heads": "traced", "placement": "traced"}
+    _find_moe(b, mmap)
     find_final_logits(b, mmap)
     mmap.gaps = gaps(b, mmap)
     return mmap
+
+
+def _find_moe(b: TraceBuilder, mmap: ModelMap) -> None:
+    """The MoE layers (`stabkit.moe.find`), and the routers users registered."""
+    from ..moe.registry import registered_routers
+
+    mmap.moe = find_moe(b)
+    mmap.moe += registered_routers(b, {m.router for m in mmap.moe})
+    if mmap.moe:
+        mmap.found["moe"] = "traced"
 
 
 def _child_of(path: str, block: str) -> str:

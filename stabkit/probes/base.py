@@ -160,6 +160,10 @@ class Probe:
     def end_step(self) -> None:
         """Called by the Monitor at `Monitor.step`, before the step's statistics are committed."""
 
+    def finish_rows(self, rows: list[tuple[int, dict[str, float]]]) -> None:
+        """Called by the Monitor at each log interval with the host rows, after the host copy and the
+        cross-rank reduction: add values computed from reduced ones (ratios of summed counts), in place."""
+
     def detach(self) -> None:
         """Remove every hook this probe registered (safe to call twice)."""
         for h in self.handles:

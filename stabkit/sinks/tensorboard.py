@@ -33,6 +33,9 @@ def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
     return layout
 
 
+VECTOR = re.compile(r"^(.+)\[(\d+)\]$")
+"""A vector metric's entry: ``name[i]``."""
+
 _quiet = False
 
 
@@ -69,7 +72,12 @@ class TensorBoardSink:
     def write_metrics(self, step: int, values: dict[str, float]) -> None:
         """Every metric of `step` as one event holding one scalar value per tag (what add_scalar
         writes, batched: ~10x cheaper than one event per scalar); the multiline layout grows when
-        new names appear."""
+        new names appear. Entries of a vector metric, ``name[i]`` (a MoE layer's tokens per expert),
+        become one histogram ``name`` over i instead (`write_vectors`)."""
+        vectors = {n for n in values if n.endswith("]") and VECTOR.match(n)}
+        if vectors:
+            self.write_vectors(step, {n: values[n] for n in vectors})
+            values = {n: v for n, v in values.items() if n not in vectors}
         summary = Summary(
             value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()]
         )
@@ -78,6 +86,30 @@ class TensorBoardSink:
         if new:
             self._layout_names |= new
             self.writer.add_custom_scalars(custom_scalar_layout(sorted(self._layout_names)))
+
+    def write_vectors(self, step: int, entries: dict[str, float]) -> None:
+        """Vector metrics as histograms: ``name[i] = x`` puts weight x in the bucket of i (so a MoE
+        layer's chart shows its tokens per expert, expert index on the x axis, one chart per layer)."""
+        groups: dict[str, dict[int, float]] = {}
+        for name, value in entries.items():
+            m = VECTOR.match(name)
+            if m is not None:
+                groups.setdefault(m.group(1), {})[int(m.group(2))] = value
+        for tag, by_index in groups.items():
+            n = max(by_index) + 1
+            counts = [max(0.0, by_index.get(i, 0.0)) for i in range(n)]
+            total = sum(counts)
+            self.writer.add_histogram_raw(
+                tag,
+                min=0.0,
+                max=float(n - 1),
+                num=total,
+                sum=sum(i * c for i, c in enumerate(counts)),
+                sum_squares=sum(i * i * c for i, c in enumerate(counts)),
+                bucket_limits=[i + 0.5 for i in range(n)],
+                bucket_counts=counts,
+                global_step=step,
+            )
 
     def write_event(self, event: Event) -> None:
         """An event as its own scalar (`events/<kind>`, not hidden by outlier scaling; `events/<severity>`

@@ -133,6 +133,6 @@ def test_probes_are_built_from_the_registry_by_family() -> None:
         assert [p.name for p in mon.probes] == ["grad"]
     full = stabkit.attach(model, config=stabkit.MonitorConfig(console=False, detect=None))
     assert [p.name for p in full.probes] == [
-        n for n in PROBES.names() if n in ("act", "logits", "grad", "attn", "outliers")
+        n for n in PROBES.names() if n in ("act", "logits", "grad", "attn", "outliers", "moe")
     ]
     full.detach()
