@@ -66,16 +66,21 @@ CPU_PARAMS = 10_000_000
 
 
 def inspect_device(spec: str, size: str | None = None) -> str:
-    """Where `run_inspect_cli` builds SPEC: small reference presets (tiny, small) on the CPU, where
-    building and tracing them takes milliseconds (the first op on the meta device imports
-    torch._dynamo, ~2 s of CPU), everything else on the meta device (no memory)."""
+    """Where `run_inspect_cli` builds SPEC: on the CPU when the shape it is built at is small (a tiny or
+    small preset, a factory or an ``hf:`` model at such a `size`; building and tracing take milliseconds,
+    while the first op on the meta device imports torch._dynamo, ~2 s of CPU), else on the meta device
+    (no memory). An ``hf:`` model without `size` has its config's own, full-size shape: meta."""
     name = spec.strip()
-    preset = name if name in PRESETS else size if not name.startswith("hf:") or size else None
-    if preset is not None or (name.count(":") == 1 and not name.startswith("hf:")):
-        cfg = preset_config(preset or "tiny")
-        if 12 * cfg.n_layers * cfg.d_model**2 < CPU_PARAMS:
-            return "cpu"
-    return "meta"
+    if name in PRESETS:
+        preset: str | None = name
+    elif name.startswith("hf:"):
+        preset = size
+    else:
+        preset = size or "tiny"  # a factory is called with a preset's arguments (`build_from_spec`)
+    if preset is None:
+        return "meta"
+    cfg = preset_config(preset)
+    return "cpu" if 12 * cfg.n_layers * cfg.d_model**2 < CPU_PARAMS else "meta"
 
 
 def run_inspect_cli(
