@@ -15,6 +15,9 @@ Distributed: under DDP and FSDP2 every rank routes its own tokens, so summing th
 gives the batch's load; under expert parallelism the router still runs on each rank's own tokens
 before the all-to-all, and the same holds. Under FSDP2 discovery traces no forward (sharded
 parameters): inspect the model before ``fully_shard`` and pass that map to `attach`.
+
+Under ``torch.compile`` the hooks measure nothing yet (a traced hook returns at once): the statistics are
+eager-only until they get an opaque op and packed records like the other probes (`stabkit.stats.opaque`).
 """
 
 from __future__ import annotations
@@ -75,6 +78,8 @@ class MoEProbe(Probe):
     def _hook(self, layer: _Layer, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
+        if torch.compiler.is_compiling():  # not yet traced into compiled graphs (see the module docstring)
+            return
         if self.enabled and ctx.sampled() and ctx.training_forward(module):
             self._measure(layer, output)
 
@@ -97,6 +102,8 @@ class MoEProbe(Probe):
     def _aux_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
+        if torch.compiler.is_compiling():
+            return
         aux = getattr(output, "aux_loss", None)
         if isinstance(aux, torch.Tensor) and self.enabled and ctx.sampled() and ctx.training_forward(module):
             ctx.recorder.add("moe/aux_loss", aux.detach(), combine="mean", reduction="mean")
