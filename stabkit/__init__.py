@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from .audit import audit
     from .config import MonitorConfig
     from .detectors import DetectConfig
-    from .discovery import DiscoveryError, ModelMap, inspect, inspect_model
+    from .discovery import DiscoveryError, ModelMap, inspect_model
     from .interventions import z_loss
     from .moe.registry import register_router
     from .monitor import Monitor
@@ -42,7 +42,6 @@ _LAZY = {
     "DetectConfig": "detectors",
     "DiscoveryError": "discovery",
     "ModelMap": "discovery",
-    "inspect": "discovery",
     "inspect_model": "discovery",
     "z_loss": "interventions",
     "Monitor": "monitor",
@@ -96,7 +95,6 @@ __all__ = [
     "__version__",
     "attach",
     "audit",
-    "inspect",
     "inspect_model",
     "load_run",
     "register_kernel",

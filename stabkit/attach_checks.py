@@ -71,3 +71,11 @@ def check_optimizer(model: nn.Module, optimizer: Any) -> None:
             RuntimeWarning,
             stacklevel=4,
         )
+
+
+def check_schedule(lr: float | None, warmup_steps: int | None) -> None:
+    """At attach: the peak LR and warmup the caller gave are None (not known) or sensible."""
+    if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
+        raise ValueError(f"warmup_steps must be None (not known) or an integer >= 0, got {warmup_steps!r}")
+    if lr is not None and not lr > 0:
+        raise ValueError(f"lr must be None (not known) or a positive number, got {lr!r}")

@@ -336,12 +336,10 @@ class Decisions:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore what `state_dict()` returned (also the older ``nonfinite_open`` entry)."""
+        """Restore what `state_dict()` returned."""
         self.judge.load_state_dict(state)
         self.actions.load_state_dict(state.get("actions", {}))
         devices = dict(state.get("devices", {}))
-        if "nonfinite_open" in state:  # saved before the device parts had their own state
-            devices.setdefault("nonfinite", {"open": bool(state["nonfinite_open"])})
         for kind, part in self.devices.items():
             if kind in devices:
                 part.load_state_dict(devices[kind])

@@ -17,49 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any, ClassVar, TypeVar, overload
+from typing import Any, TypeVar, overload
 
 from .events import SEVERITIES, severity_rank
 from .plugins import ACTIONS, DETECTORS
-from .tables import fill, merged
+from .tables import as_table, fill, merged
 
 OptionsT = TypeVar("OptionsT")
-
-MOVED: dict[str, str] = {
-    **{f"spike_{k}": f"options.spike.{k}" for k in ("series", "window", "sigma", "min_ratio", "factor")},
-    "spike_min_history": "options.spike.min_history",
-    "score_window": "options.spike.score_window",
-    "score_sigma": "options.spike.score_sigma",
-    "drift_window": "options.drift.window",
-    **{
-        k: f"options.drift.{k}"
-        for k in (
-            "attn_logit_level",
-            "attn_logit_growth",
-            "logz_level",
-            "logz_change",
-            "residual_level",
-            "residual_growth",
-        )
-    },
-    **{
-        k: f"options.nonfinite.{k}"
-        for k in (
-            "check_output",
-            "optimizer_check_every",
-            "localize",
-            "keep_output_grad",
-            "loss_fn",
-            "per_module",
-        )
-    },
-    **{k: f"options.rollback.{k}" for k in ("snapshot_every", "snapshots", "snapshot_device")},
-    "dump_dir": "options.dump.dir",
-    "nonfinite": "detectors",
-    "drift": "detectors",
-}
-"""The flat settings DetectConfig had before each plug-in got its options dataclass: old keyword ->
-where it went (a dotted key of DetectConfig). Giving one raises an error that names the new place."""
 
 
 @dataclass(init=False)
@@ -100,8 +64,6 @@ class DetectConfig:
     'warning', 'critical'): a note ('info') is reported, never skipped, rolled back or raised on."""
     _checked: dict[str, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
-    MOVED: ClassVar[dict[str, str]] = MOVED
-
     def __init__(
         self,
         actions: Mapping[str, Any] | None = None,
@@ -109,10 +71,7 @@ class DetectConfig:
         options: Mapping[str, Mapping[str, Any]] | None = None,
         sync: bool | None = None,
         act_on: str = "warning",
-        **moved: Any,
     ) -> None:
-        if moved:
-            raise TypeError(_moved_message(moved))
         self.actions = dict(actions) if isinstance(actions, Mapping) else actions  # type: ignore[assignment]
         self.detectors = detectors  # type: ignore[assignment]
         self.options = options if options is not None else {}  # type: ignore[assignment]
@@ -146,6 +105,8 @@ class DetectConfig:
                 raise ValueError(
                     f"DetectConfig.detectors names unknown detector(s) {missing}; known: {list(kinds)}"
                 )
+        if isinstance(self.options, Mapping):  # an options dataclass may be given instead of its dict
+            self.options = {k: as_table(v) for k, v in self.options.items()}
         if not isinstance(self.options, Mapping) or not all(
             isinstance(k, str) and isinstance(v, Mapping) for k, v in self.options.items()
         ):
@@ -178,13 +139,6 @@ class DetectConfig:
                 f"spikes, which are notes ('info'); with act_on={self.act_on!r} it would never skip. Set "
                 "act_on='info' (OLMo's skip-step) or name those series in options['spike']['warn']"
             )
-
-    if not TYPE_CHECKING:  # (hidden from type checkers, which keep flagging unknown attributes)
-
-        def __getattr__(self, name: str) -> Any:
-            if name in MOVED:  # a flat setting of the older API, read by old code
-                raise AttributeError(_moved_message({name: ...}, reading=True))
-            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     @overload
     def options_for(self, name: str) -> Any: ...
@@ -234,31 +188,6 @@ def _options_class(name: str) -> type[Any] | None:
             if cls is not None:
                 return cls
     return None
-
-
-def _moved_message(moved: Mapping[str, Any], reading: bool = False) -> str:
-    """What to write instead of the flat settings in `moved` (old keyword -> value)."""
-    parts = []
-    for key in moved:
-        new = MOVED.get(key)
-        if new is None:
-            parts.append(
-                f"DetectConfig has no setting {key!r}; its settings: actions, detectors, options, sync"
-            )
-        elif new == "detectors":
-            others = [k for k in DETECTORS.names() if k != key]
-            parts.append(
-                f"DetectConfig.{key} moved: list the detectors to run without it, "
-                f"DetectConfig(detectors={others!r})"
-            )
-        else:
-            _, plugin, option = new.split(".")
-            if reading:
-                where = f"DetectConfig.options_for({plugin!r}).{option}"
-            else:
-                where = f"DetectConfig(options={{{plugin!r}: {{{option!r}: ...}}}})"
-            parts.append(f"DetectConfig.{key} moved to the {plugin!r} options: {where}")
-    return "stabkit: " + "; ".join(parts)
 
 
 def _normalise_actions(kind: str, value: Any) -> tuple[str, ...]:

@@ -29,12 +29,18 @@ import torch
 from torch import nn
 
 from . import lifecycle
-from .attach_checks import check_inputs, check_optimizer, forget_compiled_code, unwrap_compiled
+from .attach_checks import (
+    check_inputs,
+    check_optimizer,
+    check_schedule,
+    forget_compiled_code,
+    unwrap_compiled,
+)
 from .config import MonitorConfig
 from .decisions import Decisions, Wiring
 from .detect_config import DetectConfig
 from .discovery import DiscoveryError, ModelMap, inspect_model
-from .discovery.discover import logits_only, needs_first_forward, report_gaps, traced_map
+from .discovery.discover import WAIT, logits_only, report_gaps, trace_first, traced_map
 from .distributed import detect, finish_ratios, rank_sinks, reduce_stacked, unwrap_data_parallel
 from .events import Event, InstabilityError
 from .hooks import HookSet, flush_hook_warnings
@@ -46,7 +52,7 @@ from .probes import Probe, ProbeContext
 from .stats import Recorder
 from .stats.step_facts import StepFacts
 
-InterventionSpecs = list[str | tuple[str, dict[str, Any]]] | dict[str, dict[str, Any]]
+InterventionSpecs = list[str | tuple[str, Any]] | dict[str, Any]
 """What `attach(..., interventions=...)` takes: names, (name, options) pairs, or {name: options}."""
 
 
@@ -87,12 +93,7 @@ class Monitor:
         check_optimizer(model, optimizer)
         self.model = model
         self.scaler = scaler
-        if warmup_steps is not None and (not isinstance(warmup_steps, int) or warmup_steps < 0):
-            raise ValueError(
-                f"warmup_steps must be None (not known) or an integer >= 0, got {warmup_steps!r}"
-            )
-        if lr is not None and not lr > 0:
-            raise ValueError(f"lr must be None (not known) or a positive number, got {lr!r}")
+        check_schedule(lr, warmup_steps)
         self.schedule: dict[str, Any] = {"lr": lr, "warmup_steps": warmup_steps}
         """The run's peak LR and warmup as the caller said them (None: not known): the audit at
         attach and the detectors (`DetectorContext.warmup_steps`) read them."""
@@ -138,18 +139,8 @@ class Monitor:
         if self.sinks.logdir is not None:  # a run-<n> subfolder when the logdir already held a run
             self.logdir = self.sinks.logdir
         lifecycle.register(self)
-        if model_map is None and example is None and needs_first_forward(model):
-            # No input stabkit can make for this model: discovery traces the first forward instead.
-            # (on every module: a wrapper such as a LightningModule may never run its own forward)
-            paths = {id(m): n for n, m in model.named_modules()}
-            self._pending = [
-                self.hooks.forward_pre(
-                    "discovery", m, self._discover_on_first_forward, prepend=True, with_kwargs=True
-                )
-                for m in model.modules()
-            ]
-            self._pending_paths = paths
-            self._interventions_spec = interventions
+        if model_map is None and example is None and trace_first(model) == WAIT:
+            self._wait_for_first_forward(interventions)
             return
         try:
             self._finish_attach(model_map, example, interventions)
@@ -157,6 +148,19 @@ class Monitor:
             self.sinks.close()
             lifecycle.unregister(self)
             raise
+
+    def _wait_for_first_forward(self, interventions: InterventionSpecs | None) -> None:
+        """At attach, when stabkit can make no input for the model: a forward pre-hook on every module
+        (a wrapper such as a LightningModule may never run its own forward) finishes attaching at the
+        model's first forward (`_discover_on_first_forward`)."""
+        self._pending_paths = {id(m): n for n, m in self.model.named_modules()}
+        self._interventions_spec = interventions
+        self._pending = [
+            self.hooks.forward_pre(
+                "discovery", m, self._discover_on_first_forward, prepend=True, with_kwargs=True
+            )
+            for m in self.model.modules()
+        ]
 
     @property
     def model_map(self) -> ModelMap:

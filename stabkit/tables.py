@@ -9,8 +9,7 @@ raises a `TableError` naming ``section.key`` and what is allowed; the dataclass'
 (``ClassName.field ...``), or the nested key a `TableError` from it names (``ClassName.a.b`` ->
 ``section.a.b``). TOML has no null: an Optional field takes the string ``"none"`` (or None from
 Python). A field marked `merged` is laid over the base's value key by key (nested tables too)
-instead of replacing it; a dataclass may list keys that moved elsewhere in a class attribute
-``MOVED`` (old key -> its new dotted key), named in the unknown-key error.
+instead of replacing it.
 
 Stdlib only; imported by nothing but the loaders and configs that use it.
 """
@@ -91,6 +90,14 @@ def merged() -> dict[str, bool]:
     return {MERGE: True}
 
 
+def as_table(value: Any) -> Any:
+    """An options dataclass instance as the table of its fields (given directly instead of a dict);
+    anything else unchanged. Lets every plug-in family take either, checked by one path."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
+    return value
+
+
 def keys(cls: type, exclude: Sequence[str] = ()) -> tuple[str, ...]:
     """The keys a table for `cls` may hold (its init fields, in order, less `exclude`)."""
     return tuple(f.name for f in dataclasses.fields(cls) if f.init and f.name not in exclude)
@@ -109,15 +116,11 @@ def fill(
     Raises TableError naming ``section.key`` for an unknown key (listing the allowed ones), a value
     of the wrong type, one out of its field's range, or one the dataclass itself refuses.
     """
-    if table is None:
-        table = {}
+    table = {} if table is None else as_table(table)
     if not isinstance(table, Mapping):
         raise TableError(section, f"must be a table, got {type(table).__name__}")
     allowed = keys(cls, exclude)
-    moved: Mapping[str, str] = getattr(cls, "MOVED", {})
     for key in table:
-        if key in moved and key not in allowed:
-            raise TableError(_join(section, str(key)), f"moved: use {_join(section, moved[key])}")
         if key not in allowed:
             raise TableError(_join(section, str(key)), f"unknown key; allowed: {', '.join(allowed)}")
     hints = typing.get_type_hints(cls)

@@ -3,9 +3,6 @@
 from .inspect_model import OVERRIDE_KEYS, inspect_model
 from .modelmap import AttentionMap, BlockMap, DiscoveryError, LogitsMap, ModelMap, NormMap
 
-inspect = inspect_model
-"""Former name of `inspect_model` (it shadowed the standard library's `inspect`); kept as an alias."""
-
 __all__ = [
     "OVERRIDE_KEYS",
     "AttentionMap",
@@ -14,6 +11,5 @@ __all__ = [
     "LogitsMap",
     "ModelMap",
     "NormMap",
-    "inspect",
     "inspect_model",
 ]

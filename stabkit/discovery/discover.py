@@ -1,14 +1,13 @@
 """Discovery by behaviour with names as the fallback: trace one forward, build the map from it, and
 fill in from module names only what the trace cannot tell.
 
-Runs once, from `stabkit.inspect_model` (and so at `attach`, `audit` and `interventions.apply`).
+Runs from `stabkit.inspect_model` (and so at `attach`, `audit` and `interventions.apply`); what it
+traced is kept on the model (`known.Discovery`) so one trace serves them all while the model is unchanged.
 """
 
 from __future__ import annotations
 
-import copy
 import warnings
-import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -17,12 +16,11 @@ from torch import nn
 from .by_names import by_names
 from .examples import as_example, synthesize_example
 from .families import family_of
+from .known import Discovery
 from .modelmap import OPAQUE, DiscoveryError, ModelMap
 from .trace import run_trace
 from .trace_logits import logits_from_trace
 from .trace_map import map_from_trace
-
-_TRACE_ATTR = "_stabkit_trace_cache"
 
 
 def _no_trace_possible(model: nn.Module) -> bool:
@@ -34,35 +32,18 @@ def _no_trace_possible(model: nn.Module) -> bool:
     )
 
 
-def _signature(model: nn.Module) -> tuple[Any, ...]:
-    """What a cached map depends on: the module tree, the parameter shapes and the forward hooks
-    (an intervention's hooks change what the model computes)."""
-    modules = tuple(
-        (n, id(m), len(m._forward_hooks), len(m._forward_pre_hooks), getattr(m, "training", True))
-        for n, m in model.named_modules()
-    )
-    active = tuple((k, id(v)) for k, v in getattr(model, "_stabkit_interventions", {}).items())
-    return modules, tuple((n, tuple(p.shape)) for n, p in model.named_parameters()), active
-
-
-_CACHE: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], ModelMap]] = weakref.WeakKeyDictionary()
-"""model -> (signature, traced map): `inspect` runs at attach and at each intervention; one trace serves
-them all while the model is unchanged."""
-
-
 def traced_or_named(
     model: nn.Module, example: Any, by_names: Callable[[nn.Module, dict[str, Any]], ModelMap]
 ) -> ModelMap:
     """Trace one forward (on `example` or a synthesised input) and map the model from it; fall back to
     names (with a note saying why) when no forward can be traced."""
-    key = _signature(model) if example is None else None
-    cached = _CACHE.get(model)
-    if key is not None and cached is not None and cached[0] == key:
-        return copy.deepcopy(cached[1])
+    cached = Discovery.of(model).traced(model) if example is None else None
+    if cached is not None:
+        return cached
     reason = ""
     ex = as_example(example) if example is not None else None
     if ex is None and not _no_trace_possible(model):
-        ex = last_example(model) or synthesize_example(model)
+        ex = Discovery.of(model).example or synthesize_example(model)
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
     elif _no_trace_possible(model):
@@ -99,7 +80,7 @@ def traced_or_named(
 
 def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
     """Trace ``model.get_submodule(prefix)(*args, **kwargs)`` once and map `model` from it (paths from
-    the root); cached for the `inspect` calls that follow while the model is unchanged."""
+    the root); kept (`Discovery.of(model)`) for the `inspect` calls that follow while the model is unchanged."""
     module = model.get_submodule(prefix) if prefix else model
     args, kwargs = as_example(example)
     mmap = map_from_trace(module, run_trace(module, args, kwargs)).under(prefix)
@@ -107,22 +88,8 @@ def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
         mmap = _names_for_opaque(model, mmap)
     _complete(model, mmap)
     _warn_unmonitored(mmap)
-    _CACHE[model] = (_signature(model), copy.deepcopy(mmap))
-    if not prefix:
-        _EXAMPLES[model] = (args, kwargs)
+    Discovery.of(model).remember(model, mmap, None if prefix else (args, kwargs))
     return mmap
-
-
-_EXAMPLES: weakref.WeakKeyDictionary[nn.Module, tuple[tuple[Any, ...], dict[str, Any]]] = (
-    weakref.WeakKeyDictionary()
-)
-"""model -> the (args, kwargs) of its last traced forward: traced again after an intervention changed
-the model, and used by `stabkit.interventions.verify`, when stabkit cannot make an input itself."""
-
-
-def last_example(model: nn.Module) -> tuple[tuple[Any, ...], dict[str, Any]] | None:
-    """The inputs discovery last traced `model` on (None when it never traced its own forward)."""
-    return _EXAMPLES.get(model)
 
 
 def _names_for_opaque(model: nn.Module, traced: ModelMap) -> ModelMap:
@@ -201,9 +168,6 @@ def _warn_unmonitored(mmap: ModelMap) -> None:
         mmap.notes.extend(f"q/k rows unknown at {m}" for m in missing)
 
 
-_SAID: weakref.WeakKeyDictionary[nn.Module, tuple[Any, ...]] = weakref.WeakKeyDictionary()
-
-
 def report_gaps(model: nn.Module, mmap: ModelMap, strict: bool = False) -> None:
     """Say what discovery could not find — once per model while it is unchanged — as one warning;
     with `strict`, raise DiscoveryError instead. Runs at attach (and `inspect_model`), never per step."""
@@ -221,10 +185,8 @@ def report_gaps(model: nn.Module, mmap: ModelMap, strict: bool = False) -> None:
                 "strict mode: stopping",
             )
         )
-    key = _signature(model)
-    if _SAID.get(model) == key:
+    if not Discovery.of(model).first_time_said(model):
         return
-    _SAID[model] = key
     warnings.warn(text, RuntimeWarning, stacklevel=4)
 
 
@@ -239,24 +201,28 @@ def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
         return None
 
 
-def needs_first_forward(model: nn.Module) -> bool:
-    """True when discovery should wait for the model's first forward: no input can be made for it, or
-    the input stabkit makes fits neither its forward nor a wrapped submodule's (e.g. an encoder-decoder
-    taking two sequences). Sharded models use names instead. A map traced here is cached for `inspect`."""
-    if _no_trace_possible(model):
-        return False
-    cached = _CACHE.get(model)
-    if cached is not None and cached[0] == _signature(model):
-        return False
+WAIT = "wait"
+"""What `trace_first` returns when discovery must wait for the model's first forward."""
+
+
+def trace_first(model: nn.Module) -> str:
+    """At attach, with neither a map nor an example given: trace one forward now, on an input stabkit
+    makes, and keep the map for the calls that follow (`Discovery.of(model)`). Returns `WAIT` when
+    discovery must wait for the model's first forward instead — no input can be made for it, or the
+    one stabkit makes fits neither its forward nor a wrapped submodule's (an encoder-decoder taking two
+    sequences) — and "ready" otherwise (sharded models use names; a trace that ran but found no
+    attention lets `inspect_model` say what it saw)."""
+    if _no_trace_possible(model) or Discovery.of(model).traced(model) is not None:
+        return "ready"
     ex = synthesize_example(model)
-    if ex is not None:
-        try:
-            traced_map(model, ex)
-            return False
-        except DiscoveryError:
-            return False  # it ran: inspect will say what it saw
-        except NotImplementedError:  # no forward of its own (a wrapper), or a forward that cannot run here
-            return not _no_forward(model) or _wrapped(model) is None
-        except Exception:  # the made-up input does not fit this model: wait for its first forward
-            return True
-    return True
+    if ex is None:
+        return WAIT
+    try:
+        traced_map(model, ex)
+    except DiscoveryError:
+        return "ready"
+    except NotImplementedError:  # no forward of its own (a wrapper), or a forward that cannot run here
+        return WAIT if not _no_forward(model) or _wrapped(model) is None else "ready"
+    except Exception:  # the made-up input does not fit this model: wait for its first forward
+        return WAIT
+    return "ready"

@@ -6,13 +6,11 @@
 built-in, ``@INTERVENTIONS.register`` for yours); `describe_registry()` lists them.
 """
 
-from .base import Intervention, NoOptions, check_options, choices
+from .base import Intervention, NoOptions, check_options, choices, option_defaults
 from .handle import Handle, InterventionError, active_interventions
 from .qknorm import HeadNorm, qk_norm_logit_bound, qk_norm_logit_bounds
 from .registry import (
     ORDER,
-    REGISTRY,
-    InterventionSpec,
     apply,
     apply_many,
     attach_optimizer,
@@ -24,12 +22,10 @@ from .zloss import z_loss
 
 __all__ = [
     "ORDER",
-    "REGISTRY",
     "Handle",
     "HeadNorm",
     "Intervention",
     "InterventionError",
-    "InterventionSpec",
     "NoOptions",
     "active_interventions",
     "apply",
@@ -40,6 +36,7 @@ __all__ = [
     "choices",
     "describe_registry",
     "join_optimizer",
+    "option_defaults",
     "qk_norm_logit_bound",
     "qk_norm_logit_bounds",
     "z_loss",

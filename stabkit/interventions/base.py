@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-from ..tables import RANGE, Range
+from ..tables import RANGE, Range, as_table
 from .handle import Handle, InterventionError
 
 if TYPE_CHECKING:
@@ -161,7 +161,9 @@ def check_options(cls: type[Intervention], given: Mapping[str, Any]) -> Any:
     """`given` (option -> value) over the defaults, as an instance of ``cls.options_class``.
 
     Raises InterventionError naming the intervention for an unknown option (listing the allowed ones
-    with their defaults), a value outside its choices or range, or one the dataclass refuses."""
+    with their defaults), a value outside its choices or range, or one the dataclass refuses. `given`
+    may be an instance of ``cls.options_class`` itself (checked the same way)."""
+    given = as_table(given)
     defaults = option_defaults(cls)
     unknown = sorted(set(given) - set(defaults))
     if unknown:

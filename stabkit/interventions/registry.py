@@ -7,42 +7,26 @@ not depend on it; the same intervention twice, or one already active on the mode
 one fails, the ones already applied are removed again before the error propagates.
 
 Everything here reads the registry when it is used, so an intervention registered after import
-(``@INTERVENTIONS.register``) is applied, ordered, listed and checked like a built-in. `REGISTRY` is
-a live name -> `InterventionSpec` view of it (what recipes and older code read); assigning a spec
-to it registers a plug-in made from that spec.
+(``@INTERVENTIONS.register``) is applied, ordered, listed and checked like a built-in.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator, Mapping, MutableMapping
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Union
 
 from torch import nn
 
 from ..discovery import DiscoveryError, inspect_model
-from ..discovery.discover import last_example
 from ..discovery.examples import synthesize_example
+from ..discovery.known import Discovery
 from ..distributed.context import is_dtensor
 from ..plugins import INTERVENTIONS, LiveNames
-from .base import Intervention, check_options, choices, describe_options, option_choices, option_defaults
+from ..tables import as_table
+from .base import Intervention, check_options, describe_options
 from .handle import Handle, InterventionError, active_interventions, remember
 from .verify import verify
-
-
-@dataclass(frozen=True)
-class InterventionSpec:
-    """One intervention as a plain record (read from its plug-in class by `REGISTRY`)."""
-
-    factory: Callable[..., Handle]
-    """factory(model, model_map_override=..., **options) -> Handle."""
-    defaults: dict[str, Any]
-    """Every option with its default value."""
-    description: str
-    """One line for ``stabkit list interventions``."""
-    choices: dict[str, tuple[Any, ...]] = field(default_factory=dict)
-    """Options restricted to a set of values."""
 
 
 def plugin(name: str) -> type[Intervention]:
@@ -64,74 +48,8 @@ ORDER = LiveNames(ordered)
 """Canonical application order (live: a plug-in registered later has its place in it)."""
 
 
-def spec_of(cls: type[Intervention]) -> InterventionSpec:
-    """The plain record of plug-in `cls`."""
-
-    def factory(model: nn.Module, model_map_override: Any = None, **options: Any) -> Handle:
-        return cls().apply(model, model_map_override, check_options(cls, options))
-
-    return InterventionSpec(factory, option_defaults(cls), cls.description, option_choices(cls))
-
-
-def _constant(value: Any) -> Callable[[], Any]:
-    return lambda: value
-
-
-def _from_spec(name: str, spec: InterventionSpec) -> type[Intervention]:
-    """A plug-in class built from a spec (``REGISTRY[name] = InterventionSpec(...)``, the older way)."""
-    fields = [
-        (
-            k,
-            Any,
-            field(
-                default_factory=_constant(v),
-                metadata=choices(*spec.choices.get(k, ())) if k in spec.choices else {},
-            ),
-        )
-        for k, v in spec.defaults.items()
-    ]
-    options = dataclasses.make_dataclass(f"{name}_options", fields, frozen=True)
-
-    def apply(self: Intervention, model: nn.Module, model_map: Any, opts: Any) -> Handle:
-        given = {f.name: getattr(opts, f.name) for f in dataclasses.fields(opts)}
-        return spec.factory(model, model_map_override=model_map, **given)
-
-    attrs = {"name": name, "description": spec.description, "options_class": options, "apply": apply}
-    return type(f"SpecIntervention_{name}", (Intervention,), attrs)
-
-
-class _Registry(MutableMapping[str, InterventionSpec]):
-    """Name -> `InterventionSpec`, read live from `stabkit.plugins.INTERVENTIONS` in canonical order."""
-
-    def __getitem__(self, name: str) -> InterventionSpec:
-        if name not in INTERVENTIONS:
-            raise KeyError(name)
-        return spec_of(INTERVENTIONS.load(name))
-
-    def __setitem__(self, name: str, spec: InterventionSpec) -> None:
-        INTERVENTIONS.unregister(name)
-        INTERVENTIONS.register(_from_spec(name, spec))
-
-    def __delitem__(self, name: str) -> None:
-        if name not in INTERVENTIONS:
-            raise KeyError(name)
-        INTERVENTIONS.unregister(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(ordered())
-
-    def __len__(self) -> int:
-        return len(INTERVENTIONS.names())
-
-    def __contains__(self, name: object) -> bool:
-        return name in INTERVENTIONS
-
-
-REGISTRY: MutableMapping[str, InterventionSpec] = _Registry()
-"""Intervention name -> spec, a live view of `stabkit.plugins.INTERVENTIONS`. Listed by
-`describe_registry` (``stabkit list interventions``)."""
-
-Spec = Union[str, tuple[str, Mapping[str, Any]]]  # noqa: UP007  (runtime alias on Python 3.10)
+Spec = Union[str, tuple[str, Any]]  # noqa: UP007  (runtime alias on Python 3.10)
+"""An intervention as a name, or a (name, options) pair: a dict or the options dataclass itself."""
 
 
 def describe_registry() -> str:
@@ -149,7 +67,7 @@ def describe_registry() -> str:
 def _normalise(specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]]) -> list[tuple[str, Any]]:
     """(name, checked options) per entry."""
     if isinstance(specs, Mapping):
-        items: Iterable[Any] = [(k, v or {}) for k, v in specs.items()]
+        items: Iterable[Any] = [(k, as_table(v) or {}) for k, v in specs.items()]
     elif isinstance(specs, str):
         items = [specs]
     else:
@@ -162,9 +80,9 @@ def _normalise(specs: Iterable[Spec] | Mapping[str, Mapping[str, Any]]) -> list[
             isinstance(item, tuple)
             and len(item) == 2
             and isinstance(item[0], str)
-            and isinstance(item[1], Mapping)
+            and (isinstance(item[1], Mapping) or dataclasses.is_dataclass(item[1]))
         ):
-            name, given = item[0], dict(item[1])
+            name, given = item[0], as_table(item[1])
         else:
             raise InterventionError(
                 str(item), "", "each intervention is a name or a (name, {option: value}) pair"
@@ -211,7 +129,7 @@ def apply_many(
             remember(model, name, handle)
             done.append(handle)
         if not _sharded(model):
-            ex = example if example is not None else last_example(model) or synthesize_example(model)
+            ex = example if example is not None else Discovery.of(model).example or synthesize_example(model)
             if ex is not None:
                 verify(model, dict(zip([n for n, _ in items], done, strict=True)), ex)
     except BaseException:

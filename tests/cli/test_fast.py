@@ -94,7 +94,7 @@ def test_import_stabkit_is_light_and_names_resolve_lazily() -> None:
         import sys
         import stabkit
         print(sorted(m for m in ("torch", "scipy", "numpy") if m in sys.modules))
-        assert callable(stabkit.attach) and callable(stabkit.inspect) and callable(stabkit.z_loss)
+        assert callable(stabkit.attach) and callable(stabkit.inspect_model) and callable(stabkit.z_loss)
         from stabkit import Monitor, MonitorConfig, DetectConfig, InstabilityError, ModelMap, DiscoveryError
         print("scipy" in sys.modules)
         """

@@ -9,7 +9,6 @@ import pytest
 from zoo import reference_gpt
 
 import stabkit
-from stabkit.detect_config import MOVED
 from stabkit.detectors import (
     DetectConfig,
     DetectorContext,
@@ -19,7 +18,7 @@ from stabkit.detectors import (
     describe_advice,
 )
 from stabkit.events import Event
-from stabkit.interventions import REGISTRY
+from stabkit.interventions import ORDER
 from stabkit.plugins import ACTIONS, DETECTORS
 from stabkit.tables import RANGE
 
@@ -82,21 +81,6 @@ def test_every_range_is_the_bounds_metadata_of_an_options_dataclass() -> None:
         )
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_the_flat_settings_of_earlier_versions_name_their_new_place(old: str) -> None:
-    new = MOVED[old]
-    with pytest.raises(TypeError, match="moved") as info:
-        DetectConfig(**{old: 1})
-    if new == "detectors":
-        assert "DetectConfig(detectors=" in str(info.value)
-    else:
-        _, plugin, option = new.split(".")
-        assert f"DetectConfig(options={{{plugin!r}: {{{option!r}: ...}}}})" in str(info.value)
-        assert hasattr(DetectConfig().options_for(plugin), option)  # the new place exists
-    with pytest.raises(AttributeError, match="moved"):
-        getattr(DetectConfig(), old)
-
-
 def test_actions_are_normalised_and_decide_the_timing() -> None:
     cfg = DetectConfig(actions={"nonfinite": ["dump", "skip", "dump"]})
     assert cfg.actions == {
@@ -124,7 +108,7 @@ def test_options_are_checked_converted_and_cached() -> None:
 def test_advice_uses_registry_names_and_lists_every_row() -> None:
     table = advice_table()
     named = {name for row in table.values() for name in row.interventions}
-    assert named == set(REGISTRY)  # every intervention is suggested somewhere, and only real ones
+    assert named == set(ORDER)  # every intervention is suggested somewhere, and only real ones
     text = describe_advice()
     assert all(key in text for key in table) and len(text.splitlines()) == len(table) + 1
 

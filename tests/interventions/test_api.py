@@ -8,16 +8,17 @@ import zoo
 
 from stabkit.interventions import (
     ORDER,
-    REGISTRY,
     InterventionError,
     active_interventions,
     apply,
     describe_registry,
+    option_defaults,
 )
+from stabkit.interventions.registry import plugin
 
 
 def test_registry_lists_every_intervention_with_defaults() -> None:
-    assert set(REGISTRY) == {
+    assert set(ORDER) == {
         "z_loss",
         "qk_clip",
         "qk_norm",
@@ -26,14 +27,14 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         "norm_placement",
         "rmsnorm",
     }
-    assert REGISTRY["z_loss"].defaults == {"coef": 1e-4}
-    assert REGISTRY["attn_softcap"].defaults == {"cap": 50.0}
-    assert REGISTRY["logit_softcap"].defaults == {"cap": 30.0}
-    assert REGISTRY["qk_norm"].defaults["kind"] == "rmsnorm"
+    assert option_defaults(plugin("z_loss")) == {"coef": 1e-4}
+    assert option_defaults(plugin("attn_softcap")) == {"cap": 50.0}
+    assert option_defaults(plugin("logit_softcap")) == {"cap": 30.0}
+    assert option_defaults(plugin("qk_norm"))["kind"] == "rmsnorm"
     text = describe_registry()
-    for name, spec in REGISTRY.items():
-        assert name in text and spec.description in text
-        assert all(f"{k}={v!r}" in text for k, v in spec.defaults.items())
+    for name in ORDER:
+        assert name in text and plugin(name).description in text
+        assert all(f"{k}={v!r}" in text for k, v in option_defaults(plugin(name)).items())
     assert "to='sandwich' {pre|post|sandwich}" in text and "cap=50.0 (a number in (0, inf))" in text
     assert tuple(ORDER) == (
         "rmsnorm",

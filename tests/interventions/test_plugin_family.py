@@ -23,17 +23,17 @@ from stabkit.detect_config import DetectConfig
 from stabkit.events import Event
 from stabkit.interventions import (
     ORDER,
-    REGISTRY,
     Handle,
     Intervention,
     InterventionError,
-    InterventionSpec,
     active_interventions,
     apply,
     choices,
     describe_registry,
 )
+from stabkit.interventions.base import option_choices, option_defaults
 from stabkit.interventions.common import logits_map
+from stabkit.interventions.registry import plugin
 from stabkit.nonfinite.guard import KeptForward, rng_state
 from stabkit.plugins import INTERVENTIONS
 from stabkit.tables import bounds
@@ -118,7 +118,7 @@ def test_builtin_names_are_known_without_importing_torch() -> None:
 
 
 def test_builtins_are_plugins_in_the_old_order_with_the_old_midrun_fixes() -> None:
-    assert INTERVENTIONS.names() == BUILTINS and tuple(ORDER) == BUILTINS and tuple(REGISTRY) == BUILTINS
+    assert INTERVENTIONS.names() == BUILTINS and tuple(ORDER) == BUILTINS
     for name in BUILTINS:
         cls = INTERVENTIONS.load(name)
         assert issubclass(cls, Intervention) and cls.name == name and cls.description
@@ -127,8 +127,8 @@ def test_builtins_are_plugins_in_the_old_order_with_the_old_midrun_fixes() -> No
         midrun_fixes() == ("qk_clip", "qk_norm", "attn_softcap", "z_loss", "logit_softcap") == tuple(MIDRUN)
     )
     assert RescueOptions().fixes == midrun_fixes()
-    assert REGISTRY["qk_norm"].choices == {"kind": ("rmsnorm", "layernorm")}
-    assert REGISTRY["qk_norm"].defaults == {"kind": "rmsnorm", "eps": None}
+    assert option_choices(plugin("qk_norm")) == {"kind": ("rmsnorm", "layernorm")}
+    assert option_defaults(plugin("qk_norm")) == {"kind": "rmsnorm", "eps": None}
 
 
 def test_a_plugin_registered_after_import_applies_like_a_builtin(gain: type[Gain]) -> None:
@@ -136,7 +136,7 @@ def test_a_plugin_registered_after_import_applies_like_a_builtin(gain: type[Gain
     with torch.no_grad():
         before = model(x).clone()
     assert "test_gain" in ORDER and tuple(ORDER).index("test_gain") == 5  # its `order`, live
-    assert "test_gain" in REGISTRY and REGISTRY["test_gain"].defaults == {"gain": 0.5, "mode": "mul"}
+    assert option_defaults(plugin("test_gain")) == {"gain": 0.5, "mode": "mul"}
     for text in (describe_registry(), interventions_text()):
         assert "multiply the output logits by a gain" in text and "mode='mul' {mul|div}" in text
     handle = apply(model, ["z_loss", ("test_gain", {"gain": 0.25}), "qk_norm"])
@@ -221,26 +221,3 @@ def test_the_rescue_switches_a_registered_midrun_plugin_on(gain: type[Gain]) -> 
     assert DetectConfig(options={"rescue": {"fixes": ["test_gain"]}}).options_for("rescue").fixes == (
         "test_gain",
     )
-
-
-def test_assigning_a_spec_to_the_registry_registers_a_plugin() -> None:
-    """The older extension path (it once raised ``tuple.index(x): x not in tuple``)."""
-    seen: list[dict[str, Any]] = []
-
-    def factory(model: nn.Module, model_map_override: Any = None, **options: Any) -> Handle:
-        seen.append(options)
-        return Handle(model, ["my_fix"])
-
-    REGISTRY["my_fix"] = InterventionSpec(
-        factory, {"k": 1, "how": "a"}, "a fix from a spec", {"how": ("a", "b")}
-    )
-    try:
-        assert "my_fix" in INTERVENTIONS and tuple(ORDER)[-1] == "my_fix"
-        handle = apply(reference_gpt(), "my_fix", k=2)
-        assert seen == [{"k": 2, "how": "a"}] and handle.names == ["my_fix"]
-        handle.remove()
-        with pytest.raises(InterventionError, match="^my_fix: how must be one of \\('a', 'b'\\), got 'c'"):
-            apply(reference_gpt(), "my_fix", how="c")
-    finally:
-        del REGISTRY["my_fix"]
-    assert "my_fix" not in INTERVENTIONS and "my_fix" not in ORDER

@@ -144,7 +144,7 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
         (
             BASE + "\n[detect]\nspike_sigma = 1\n",
             "detect.spike_sigma",
-            "moved: use detect.options.spike.sigma",
+            "unknown key; allowed: actions, detectors, options, sync, act_on",
         ),
         (
             BASE.replace("[variants.qk_norm]", '[variants.qk_norm]\nmodel = { attention = "flash" }'),

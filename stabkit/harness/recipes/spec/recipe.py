@@ -145,20 +145,21 @@ class Recipe:
 
 
 def parse_interventions(raw: Any, where: str) -> dict[str, dict[str, Any]]:
-    """{name: {option: value}} checked against the intervention registry."""
-    from ....interventions import REGISTRY
+    """{name: {option: value}}, each checked once by the intervention's own option check
+    (`stabkit.interventions.check_options`: names, choices, ranges, the options dataclass)."""
+    from ....interventions import ORDER, InterventionError, check_options, option_defaults
+    from ....interventions.registry import plugin
 
-    t = table(raw, where, tuple(REGISTRY))
+    t = table(raw, where, tuple(ORDER))
     out: dict[str, dict[str, Any]] = {}
     for name, options in t.items():
-        spec = REGISTRY[name]
-        opts = table(options, f"{where}.{name}", tuple(spec.defaults))
-        for key, value in opts.items():
-            allowed = spec.choices.get(key)
-            if allowed is not None and value not in allowed:
-                raise RecipeError(
-                    f"{where}.{name}.{key}", f"must be one of {', '.join(map(str, allowed))}, got {value!r}"
-                )
+        cls = plugin(name)
+        opts = table(options, f"{where}.{name}", tuple(option_defaults(cls)))
+        try:
+            check_options(cls, opts)
+        except InterventionError as exc:
+            key = next((k for k in opts if exc.missing.startswith(f"{k} ")), None)
+            raise RecipeError(f"{where}.{name}" + (f".{key}" if key else ""), exc.missing) from None
         out[name] = opts
     return out
 
