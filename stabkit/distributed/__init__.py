@@ -12,6 +12,7 @@ alone imports neither torch nor torch.distributed.
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import TYPE_CHECKING
 
 from ..lazy import lazy_names
@@ -44,40 +45,44 @@ if TYPE_CHECKING:
     )
     from .sinks import RATIO_PARTS, RankEventEcho, finish_ratios, rank_sinks
 
-_LAZY = {
-    **dict.fromkeys(
-        (
-            "ENV_SWITCH",
-            "SINGLE",
-            "DistContext",
-            "detect",
-            "is_dtensor",
-            "like_param",
-            "local",
-            "plain",
-            "process_group_active",
-            "replicas",
-            "unwrap_data_parallel",
+_LAZY = MappingProxyType(
+    {
+        **dict.fromkeys(
+            (
+                "ENV_SWITCH",
+                "SINGLE",
+                "DistContext",
+                "detect",
+                "is_dtensor",
+                "like_param",
+                "local",
+                "plain",
+                "process_group_active",
+                "replicas",
+                "unwrap_data_parallel",
+            ),
+            "context",
         ),
-        "context",
-    ),
-    **dict.fromkeys(("init_from_env", "launched_by_torchrun", "shard_rows", "torchrun_command"), "launch"),
-    **dict.fromkeys(
-        (
-            "CODES",
-            "GATHER_LIMIT",
-            "ReductionMismatchError",
-            "agree",
-            "combine",
-            "first_across_ranks",
-            "host_values",
-            "reduce_now",
-            "reduce_stacked",
+        **dict.fromkeys(
+            ("init_from_env", "launched_by_torchrun", "shard_rows", "torchrun_command"), "launch"
         ),
-        "reduce",
-    ),
-    **dict.fromkeys(("RATIO_PARTS", "RankEventEcho", "finish_ratios", "rank_sinks"), "sinks"),
-}
+        **dict.fromkeys(
+            (
+                "CODES",
+                "GATHER_LIMIT",
+                "ReductionMismatchError",
+                "agree",
+                "combine",
+                "first_across_ranks",
+                "host_values",
+                "reduce_now",
+                "reduce_stacked",
+            ),
+            "reduce",
+        ),
+        **dict.fromkeys(("RATIO_PARTS", "RankEventEcho", "finish_ratios", "rank_sinks"), "sinks"),
+    }
+)
 """Public name -> the submodule that defines it."""
 
 

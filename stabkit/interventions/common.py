@@ -81,15 +81,13 @@ def logits_map(model: nn.Module, name: str, override: dict[str, Any] | ModelMap 
     return mmap.logits
 
 
-_WARNED: set[tuple[str, int]] = set()
-
-
-def warn_internal_loss(name: str, path: str, output: Any) -> None:
-    """Warn once per model output when the model computed its own loss *before* the logits were
-    changed on its output: that loss does not see the change (compute it from the returned logits)."""
+def warn_internal_loss(name: str, path: str, output: Any, said: set[int]) -> None:
+    """Warn once per model output type and application (`said`, kept by the intervention's hook) when
+    the model computed its own loss *before* the logits were changed on its output: that loss does
+    not see the change (compute it from the returned logits). Runs in the intervention's forward hook."""
     loss = getattr(output, "loss", None)
-    if path == "" and isinstance(loss, torch.Tensor) and (name, id(type(output))) not in _WARNED:
-        _WARNED.add((name, id(type(output))))
+    if path == "" and isinstance(loss, torch.Tensor) and id(type(output)) not in said:
+        said.add(id(type(output)))
         import warnings
 
         warnings.warn(

@@ -209,12 +209,13 @@ def apply_logit_softcap(model: nn.Module, cap: float = 30.0, model_map_override:
     where = logits_map(model, LOGIT, model_map_override)
     module = model.get_submodule(where.path)
     handle = Handle(model, [LOGIT])
+    said: set[int] = set()
 
     def hook(mod: nn.Module, args: Any, out: Any) -> Any:
         logits = where.take(out)
         if not isinstance(logits, torch.Tensor):
             return None
-        warn_internal_loss(LOGIT, where.path, out)
+        warn_internal_loss(LOGIT, where.path, out, said)
         return where.replace(out, cap * torch.tanh(logits / cap))
 
     keep_hook(handle, module.register_forward_hook(hook, prepend=True))

@@ -64,6 +64,7 @@ def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any =
     module = model.get_submodule(where.path)
     handle = Handle(model, [NAME])
     last: dict[str, torch.Tensor] = {}
+    said: set[int] = set()
 
     def hook(mod: nn.Module, args: Any, output: Any) -> Any:
         logits = where.take(output)
@@ -77,7 +78,7 @@ def apply_z_loss(model: nn.Module, coef: float = 1e-4, model_map_override: Any =
                 last[METRIC] = coef * lse.pow(2).mean()
         if not (torch.is_grad_enabled() and logits.requires_grad) or coef == 0:
             return None
-        warn_internal_loss(NAME, where.path, output)
+        warn_internal_loss(NAME, where.path, output, said)
         return where.replace(output, _ZLossGrad.apply(logits, lse, coef))
 
     keep_hook(handle, module.register_forward_hook(hook))

@@ -21,6 +21,7 @@ import difflib
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any
 
 import numpy as np
@@ -30,7 +31,7 @@ from .jsonl import LOG_NAME, read_jsonl
 from .rundir import run_folders, run_number
 
 _EVENT_FIELDS = frozenset(f.name for f in dataclasses.fields(Event))
-_NONFINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+_NONFINITE = MappingProxyType({"nan": math.nan, "inf": math.inf, "-inf": -math.inf})
 
 
 def _number(value: Any) -> Any:
