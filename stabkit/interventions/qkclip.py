@@ -50,14 +50,14 @@ from torch import nn
 
 from ..attention import kernels
 from ..attention.call import QKCall
+from ..attention.measure.eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
+from ..attention.measure.sites import INTERVENTION_CAP_ATTR, attention_shaped, model_cap, no_autocast
 from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, attach_scope
 from ..discovery.modelmap import OPAQUE
 from ..discovery.trace import tracing
 from ..hooks import DIRECT, Registrar
 from ..plugins import INTERVENTIONS
-from ..probes.attention import INTERVENTION_CAP_ATTR, attention_shaped, model_cap
-from ..probes.attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from ..tables import bounds
 from .base import Intervention
 from .common import keep_hook, model_map
@@ -293,7 +293,7 @@ class _Measure:
         eager: bool,
         kernel: Any,
     ) -> None:
-        with torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast(args, kwargs):
+        with torch._C.DisableTorchFunction(), torch.no_grad(), no_autocast(args, kwargs):
             if eager and path in self.eager.sink_columns:
                 call: Any = self.eager.read(path, args, kwargs)
             elif kernel is not None:
@@ -322,12 +322,6 @@ def _positive(value: Any) -> float | None:
     return (
         float(value) if isinstance(value, int | float) and not isinstance(value, bool) and value > 0 else None
     )
-
-
-def _no_autocast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-    from ..probes.attention import _no_autocast as no_autocast
-
-    return no_autocast(args, kwargs)
 
 
 def apply_qk_clip(model: nn.Module, options: QKClipOptions, model_map_override: Any = None) -> QKClipHandle:

@@ -5,7 +5,7 @@ QK-Clip (Kimi K2, §2.1) clips a head when ``S_h = max over the step's batch of 
 queries) is a lower bound of S_h, so a head whose true max is past τ could go unclipped. This module
 measures S_h exactly: at every attention call of a training forward it recomputes ``q·kᵀ·scale``
 for *every* batch row, head, query and allowed key, in float32, in blocks whose temporaries stay
-within a byte budget (the plan of `stabkit.probes.attention_blocks`), and keeps the **signed** max
+within a byte budget (the plan of `stabkit.attention.measure.blocks`), and keeps the **signed** max
 over the allowed entries — K2's definition; the softmax's large negative logits are not clipped.
 
 What it reads: the call's q and k through the same readers as the attention probe (SDPA,
@@ -26,9 +26,9 @@ from __future__ import annotations
 import torch
 
 from ..attention.call import LogitsCall, QKCall
-from ..probes.attention_blocks import QKBlocks, cost_logits, cost_qk, dims_of, plan, spans
-from ..probes.attention_masks import IndexMask
-from ..probes.attention_stats import fill_, uncap
+from ..attention.measure.blocks import QKBlocks, cost_logits, cost_qk, dims_of, plan, spans
+from ..attention.measure.masks import IndexMask
+from ..attention.measure.stats import fill_, uncap
 
 
 @torch.no_grad()

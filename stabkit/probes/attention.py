@@ -11,7 +11,7 @@ FlexAttention, xformers, Transformer Engine, aten SDPA ops, kernels registered w
 call's arguments (honouring its causal flag, window, chunks, packed documents, ALiBi, soft cap, sinks,
 block mask and score_mod) and recomputes the logits on a sample of batch
 rows and query positions (`MonitorConfig.attn_sample_rows` / `attn_sample_queries`; None = exact;
-see `attention_measure` for how the max is kept close to exact), in float32 under ``no_grad``, with
+see `stabkit.attention.measure.measure` for how the max is kept close to exact), in float32 under ``no_grad``, with
 no RNG, in blocks of heads, queries and keys whose temporaries stay within
 `MonitorConfig.attn_chunk_bytes` (the entropy by an online log-sum-exp over key blocks), then
 passes the call on with its original arguments: the model's outputs and RNG stream are untouched.
@@ -32,7 +32,7 @@ With learned sink logits (GPT-OSS eager, kernels given ``sinks``), ``attn/p/sink
 softmax probability on the sinks (per head: ``attn/p/head.<h>/sink_mass``); the sinks enter the
 entropy but not the max logit, and their mass is the one ``first_key_mass`` / ``sink_heads`` read.
 A softmax whose input the model shifted by its row max is read
-unshifted (`attention_eager`).
+unshifted (`stabkit.attention.measure.eager`).
 With a soft cap, also ``attn/p/max_logit_capped``:
 
 - cap set by the ``attn_softcap`` intervention (attribute ``_stabkit_attn_softcap``): the probe sees
@@ -57,7 +57,6 @@ decoding with GQA packs query heads into the query dim, so per-head values there
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -66,36 +65,23 @@ from torch import nn
 
 from ..attention import kernels
 from ..attention.call import LogitsCall, QKCall
+from ..attention.measure.eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
+from ..attention.measure.measure import measure
+from ..attention.measure.op import layout, measured, opaque_ok, summary_values
+from ..attention.measure.sites import (
+    INTERVENTION_CAP_ATTR,
+    attention_shaped,
+    model_cap,
+    no_autocast,
+    positive_number,
+)
+from ..attention.measure.stats import HeadStats, Sampling
 from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
 from ..discovery.modelmap import OPAQUE
 from ..hooks import hook_warning
 from ..metric_names import ATTN, metric
-from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
-from .attention_measure import measure
-from .attention_op import layout, measured, opaque_ok, summary_values
-from .attention_stats import HeadStats, Sampling
 from .base import Probe, ProbeContext, ProbeError, guarded
-
-INTERVENTION_CAP_ATTR = "_stabkit_attn_softcap"
-"""Attribute the attn_softcap intervention sets on a capped attention module (its cap)."""
-_MODEL_CAP_ATTRS = ("softcap", "attn_logit_softcapping")
-
-
-def _number(value: Any) -> float | None:
-    if isinstance(value, int | float) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    return None
-
-
-def model_cap(module: nn.Module) -> float | None:
-    """The soft cap a module applies itself before its softmax (reference GPT, HF Gemma-style), if any."""
-    for obj in (module, getattr(module, "config", None)):
-        for attr in _MODEL_CAP_ATTRS:
-            cap = _number(getattr(obj, attr, None))
-            if cap is not None:
-                return cap
-    return None
 
 
 class AttentionProbe(Probe):
@@ -235,15 +221,15 @@ class AttentionProbe(Probe):
             )
         module = self.modules[path]
         # no outer mode (e.g. a soft-capping one) sees the probe's own ops; no autocast to low precision
-        with torch._C.DisableTorchFunction(), torch.no_grad(), _no_autocast(args, kwargs):
+        with torch._C.DisableTorchFunction(), torch.no_grad(), no_autocast(args, kwargs):
             call = reader(args, kwargs)
-            intervention_cap = _number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            intervention_cap = positive_number(getattr(module, INTERVENTION_CAP_ATTR, None))
             # an eager softmax input is capped already (by the model, or by attn_softcap before the bias)
             seen_capped = (model_cap(module) or intervention_cap) if func in SOFTMAXES else None
             applied_cap = None if seen_capped else intervention_cap
             if isinstance(call, QKCall) and call.softcap is not None:
                 applied_cap = call.softcap  # the kernel caps through its own argument
-            if compiling:  # one opaque op (`attention_op`), one graph output
+            if compiling:  # one opaque op (`stabkit.attention.measure.op`), one graph output
                 self._measure_traced(call, sampling, path, applied_cap, seen_capped)
                 return
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
@@ -272,7 +258,7 @@ class AttentionProbe(Probe):
         applied_cap: float | None,
         seen_capped: float | None,
     ) -> None:
-        """`_measure` while Dynamo traces (`attention_op`): a gated phase lets the op decide at run
+        """`_measure` while Dynamo traces (`stabkit.attention.measure.op`): a gated phase lets the op decide at run
         time; a call no op can take is traced as graph ops, so only into a sampled graph (a guard)."""
         ctx = self.ctx
         assert ctx is not None
@@ -299,7 +285,7 @@ class AttentionProbe(Probe):
         self, calls: list[tuple[str, HeadStats]], seen_capped: float | None, applied_cap: float | None
     ) -> None:
         """Eager: the statistics of measured calls of one layout, as the compiled ops pack them
-        (`attention_op`), summarised together: one vector per statistic, one value per call."""
+        (`stabkit.attention.measure.op`), summarised together: one vector per statistic, one value per call."""
         ctx = self.ctx
         assert ctx is not None
         per_head = ctx.config.attn_per_head
@@ -335,27 +321,9 @@ def _shape_of(stats: HeadStats) -> tuple[object, ...]:
     return stats.max_logit.shape[0], first, sink, stats.max_logit.device
 
 
-def attention_shaped(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
-    """True for a softmax over the last dim of a 4-d float tensor — attention weights; a router's or
-    a head's softmax inside an inline-attention block is left alone."""
-    x = args[0] if args else kwargs.get("input")
-    dim = args[1] if len(args) > 1 else kwargs.get("dim")
-    return isinstance(x, torch.Tensor) and x.dim() == 4 and x.is_floating_point() and dim in (-1, 3)
-
-
 def _mha_fast_path_possible(mha: nn.Module) -> bool:
     """True when nn.MultiheadAttention may take its fused inference path (eval, and no gradient
     needed); a function mode would divert it to the Python path, so the probe leaves it alone."""
     if mha.training:
         return False
     return not (torch.is_grad_enabled() and any(p.requires_grad for p in mha.parameters()))
-
-
-def _no_autocast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContextManager[Any]:
-    """Autocast off on the device of the call's first tensor (statistics stay in float32)."""
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, torch.Tensor):
-            if torch.amp.is_autocast_available(value.device.type):
-                return torch.autocast(value.device.type, enabled=False)
-            break
-    return nullcontext()

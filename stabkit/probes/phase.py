@@ -7,7 +7,7 @@ of graphs — a hook that read the step number would be guarded on it and recomp
 ways keep the set fixed after warm-up; the phase picks one at attach, by the model's device:
 
 - *gated* (a CPU): one graph. The traced hooks always call the statistics' opaque ops
-  (`stabkit.stats.opaque`, `stabkit.probes.attention_op`), and each op asks the phase's gate, at
+  (`stabkit.stats.opaque`, `stabkit.attention.measure.op`), and each op asks the phase's gate, at
   run time, whether its cadence samples this step; on other steps it returns zeros at once and the
   Recorder drops what it recorded (`Recorder.gate`). Nothing is guarded on, so the model compiles
   once — within ~10 % of the bare model's compile time, where a second graph costs ~30 % more on a
@@ -24,7 +24,7 @@ would compute every statistic on every step (full-monitoring cost on each step).
 
 ``round`` is the attention sampling round (``step // attention_every``) as a 0-d int64 device
 tensor, updated in place: the compiled attention probe picks its rows and queries from it by index
-(`stabkit.probes.attention_sample`), so the rotating sample needs no recompile and survives CUDA graphs.
+(`stabkit.attention.measure.sample`), so the rotating sample needs no recompile and survives CUDA graphs.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from standins.reference import reference_stats
 
 from stabkit.attention import kernels
-from stabkit.probes.attention_measure import measure
+from stabkit.attention.measure.measure import measure
 
 from .test_kernels import check, randn
 

@@ -23,8 +23,8 @@ from standins.reference import reference_stats
 from torch.overrides import TorchFunctionMode
 
 from stabkit.attention import kernels
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_stats import HeadStats, Sampling
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.stats import HeadStats, Sampling
 
 G = torch.Generator().manual_seed(0)
 

@@ -15,8 +15,8 @@ from standins.reference import reference_stats
 from torch.overrides import TorchFunctionMode
 
 from stabkit.attention import kernels
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_stats import HeadStats
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.stats import HeadStats
 
 from .test_kernels import check, randn
 

@@ -31,9 +31,9 @@ from zoo import reference_gpt, train_steps
 
 import stabkit
 from stabkit.attention import kernels
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.stats import HeadStats
 from stabkit.attention.readers import read_sdpa
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_stats import HeadStats
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]

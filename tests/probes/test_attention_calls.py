@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stabkit.probes.attention_calls import read_mha, read_sdpa, read_softmax
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_stats import HeadStats, Sampling
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.stats import HeadStats, Sampling
+from stabkit.attention.readers import read_mha, read_sdpa, read_softmax
 
 G = torch.Generator().manual_seed(0)
 
@@ -129,7 +129,7 @@ def test_max_candidates_find_a_large_norm_query_the_uniform_sample_misses(
 
 
 def test_eager_softmax_max_covers_all_rows_in_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
-    import stabkit.probes.attention_measure as am
+    import stabkit.attention.measure.measure as am
 
     monkeypatch.setattr(am, "CHUNK_ELEMENTS", 3 * H * L * L)  # several chunks
     logits = randn(8, H, L, L)

@@ -23,10 +23,11 @@ from torch.profiler import ProfilerActivity, profile
 from zoo import batch, hf_llama, lm_loss, reference_gpt
 
 import stabkit
-from stabkit.probes import attention_blocks
-from stabkit.probes.attention_calls import LogitsCall, QKCall, read_mha, read_sdpa, read_softmax
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_stats import HeadStats, Sampling
+from stabkit.attention.call import LogitsCall, QKCall
+from stabkit.attention.measure import blocks as attention_blocks
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.stats import HeadStats, Sampling
+from stabkit.attention.readers import read_mha, read_sdpa, read_softmax
 
 G = torch.Generator().manual_seed(0)
 B, H, L, D = 3, 4, 11, 8

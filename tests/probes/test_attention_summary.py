@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stabkit.probes.attention_op import summary_values
-from stabkit.probes.attention_stats import HeadStats
+from stabkit.attention.measure.op import summary_values
+from stabkit.attention.measure.stats import HeadStats
 
 
 def _call(seed: int, heads: int, sinks: bool) -> HeadStats:

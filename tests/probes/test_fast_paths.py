@@ -1,6 +1,6 @@
 """The probes' fast paths give the numbers of the general code they stand in for.
 
-- Attention: the one-block path (`attention_fast`) is bitwise the blocked path on finite logits, for
+- Attention: the one-block path (`stabkit.attention.measure.fast`) is bitwise the blocked path on finite logits, for
   causal and unmasked calls, GQA, half/double precision, soft caps and every sampling; calls it does
   not take (a bias, a boolean mask) go to the blocked path.
 - The compiled attention op on a CPU reads its round and measures the eager sample on the one-block
@@ -21,8 +21,11 @@ import torch
 from zoo import batch, lm_loss, reference_gpt
 
 from stabkit.attention.call import QKCall
-from stabkit.probes import attention_fast, attention_measure, attention_op, updates
-from stabkit.probes.attention_stats import Sampling
+from stabkit.attention.measure import fast as attention_fast
+from stabkit.attention.measure import measure as attention_measure
+from stabkit.attention.measure import op as attention_op
+from stabkit.attention.measure.stats import Sampling
+from stabkit.probes import updates
 from stabkit.probes.unit_norms import UnitNorms
 from stabkit.stats import outliers
 from stabkit.stats.opaque import logit_values, outlier_values

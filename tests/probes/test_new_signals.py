@@ -11,9 +11,9 @@ from zoo import batch, lm_loss, reference_gpt
 
 import stabkit
 from stabkit.attention.call import LogitsCall, QKCall
-from stabkit.probes.attention_measure import measure
-from stabkit.probes.attention_op import layout, summary_values
-from stabkit.probes.attention_stats import EXACT, Sampling
+from stabkit.attention.measure.measure import measure
+from stabkit.attention.measure.op import layout, summary_values
+from stabkit.attention.measure.stats import EXACT, Sampling
 from stabkit.stats import outlier_stats
 from stabkit.stats.opaque import outlier_stats_packed
 

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ..attention.call import LogitsCall
-from ..attention.readers import read_softmax
+from ..call import LogitsCall
+from ..readers import read_softmax
 
 ROW_MAXES: tuple[Callable[..., Any], ...] = (torch.Tensor.max, torch.max, torch.Tensor.amax, torch.amax)
 SUBTRACTIONS: tuple[Callable[..., Any], ...] = (torch.Tensor.sub, torch.sub, torch.Tensor.__sub__)

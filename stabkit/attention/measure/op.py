@@ -3,7 +3,7 @@ and ``torch.ops.stabkit.attention_logits``.
 
 When it runs: the attention probe's handler calls these while Dynamo traces an attention module
 on a sampled step (`stabkit.attention.scope`); the op runs, as one node of the compiled graph, each
-time that graph runs. Its body is the eager measurement (`attention_measure.measure`, the same
+time that graph runs. Its body is the eager measurement (`stabkit.attention.measure.measure.measure`, the same
 blocks within `MonitorConfig.attn_chunk_bytes`) on the sample `Sampling` picks from the device round
 (`stabkit.probes.base.StepPhase.round`: index tensors, no recompile per round), followed by the
 probe's summary (`summary_values`: the probe's ``_record``, value for value), returned as one vector
@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from ..attention.call import LogitsCall, QKCall
-from ..stats.opaque import gate_open, opaque_fake, opaque_op, packed
-from ..stats.recorder import Combine, Reduction
-from .attention_measure import measure
-from .attention_stats import HeadStats, Sampling, uncap
+from ...stats.opaque import gate_open, opaque_fake, opaque_op, packed
+from ...stats.recorder import Combine, Reduction
+from ..call import LogitsCall, QKCall
+from .measure import measure
+from .stats import HeadStats, Sampling, uncap
 
 Entry = tuple[str, Combine, Reduction]
 """(metric name under ``attn/<path>/``, combine over micro-batches, cross-rank reduction)."""
@@ -79,7 +79,7 @@ def summary_values(
 def op_sampling(rows: int | None, queries: int | None, round_: torch.Tensor) -> Sampling:
     """The sample of an op's call (run time, inside the op). On a CPU the round is read — host memory,
     no device sync — so the sample is slices, as eager monitoring takes it: the same rows, and the
-    one-block path (`attention_fast`) where it applies, ~1.5× faster than the blocked path that
+    one-block path (`stabkit.attention.measure.fast`) where it applies, ~1.5× faster than the blocked path that
     index tensors need. On an accelerator the round stays on the device (index tensors: a host read
     there would synchronise)."""
     if round_.device.type == "cpu":

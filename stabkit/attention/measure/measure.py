@@ -19,9 +19,9 @@ Every value is a max over a subset of the allowed entries, so it never exceeds t
 first-key mass (attention sinks) is measured on the uniform sample, with the entropy.
 
 Memory: every pass runs over blocks of (batch rows, heads, queries, keys) planned by
-`attention_blocks.plan` so that its temporaries stay within `budget` bytes
+`stabkit.attention.measure.blocks.plan` so that its temporaries stay within `budget` bytes
 (`MonitorConfig.attn_chunk_bytes`); the entropy of a query row is accumulated over its key blocks
-(`attention_stats.RowSums`). Nothing the size of the sample, let alone of the full logits, is made.
+(`stabkit.attention.measure.stats.RowSums`). Nothing the size of the sample, let alone of the full logits, is made.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import math
 
 import torch
 
-from ..attention.call import LogitsCall, QKCall
-from . import attention_fast
-from .attention_blocks import (
+from ..call import LogitsCall, QKCall
+from . import fast
+from .blocks import (
     QKBlocks,
     candidate_reach,
     cost_logits,
@@ -44,8 +44,8 @@ from .attention_blocks import (
     spans,
     top_candidates,
 )
-from .attention_masks import IndexMask
-from .attention_stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input
+from .masks import IndexMask
+from .stats import EXACT, HeadStats, RowSums, Sampling, fill_, masked_absmax, softmax_input
 
 CHUNK_ELEMENTS = (4 << 20) // 4
 """Default budget of `measure`, in float32 elements (the default `MonitorConfig.attn_chunk_bytes`)."""
@@ -63,13 +63,13 @@ def measure(
     budget = 4 * CHUNK_ELEMENTS if budget is None else budget
     if isinstance(call, LogitsCall):
         return _measure_logits(call.x, sampling, cap, budget, call.sink_columns)
-    if attention_fast.applies(call, sampling):  # the common call, in one block: the same numbers, fewer ops
+    if fast.applies(call, sampling):  # the common call, in one block: the same numbers, fewer ops
         batch, n_q = call.q.shape[0], call.q.shape[2]
         per_row = candidates_per_row(sampling, batch, n_q)
         rows = len(range(batch)[sampling.row_slice(batch)])
         queries = len(range(n_q)[sampling.query_slice(n_q)])
-        if attention_fast.fits(call, rows, queries, per_row, budget):
-            return attention_fast.measure_one_block(call, sampling, cap, per_row)
+        if fast.fits(call, rows, queries, per_row, budget):
+            return fast.measure_one_block(call, sampling, cap, per_row)
     return _measure_qk(call, sampling, call.softcap or cap, budget)
 
 

@@ -1,6 +1,6 @@
 """Blocks of attention logits that fit a memory budget: the plan, and one block's logits and mask.
 
-Used by `attention_measure` inside the attention probe's handler (sampled steps, ``no_grad``).
+Used by `stabkit.attention.measure.measure` inside the attention probe's handler (sampled steps, ``no_grad``).
 A block is (batch rows, kv heads — with all the query heads that share them —, queries, keys);
 `plan` halves the rows, then the kv heads, then the larger of queries and keys, until the block's
 estimated temporaries (`cost_qk`, `cost_logits`, `cost_scores`, bytes) fit the budget
@@ -16,11 +16,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ..stats.reductions import row_norms_f32
+from ...stats.reductions import row_norms_f32
 
 if TYPE_CHECKING:
-    from ..attention.call import QKCall
-    from .attention_masks import IndexMask
+    from ..call import QKCall
+    from .masks import IndexMask
 
 Dims = tuple[int, int, int, int]
 """(batch rows, kv heads (or heads), queries, keys) of a block or of the whole sweep."""
@@ -190,7 +190,7 @@ class QKBlocks:
     """Absolute index of the first query head in `q` (the max candidates measure a slice of heads)."""
     q_invalid: torch.Tensor | None = None
     """(l,) bool: measured query slots that are not queries of the call (a compiled sample's slot past
-    the end, `attention_sample.Sample.invalid`): every key is blocked for them."""
+    the end, `stabkit.attention.measure.sample.Sample.invalid`): every key is blocked for them."""
 
     def last_query(self, qs: slice) -> int:
         """The position of the last query in `qs` (needs `host_positions`)."""

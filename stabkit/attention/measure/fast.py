@@ -2,9 +2,9 @@
 no bias, no sinks, no index mask) whose sample and max candidates each fit the memory budget in
 one block, measured with the fewest ops.
 
-Runs inside `attention_measure.measure` (the attention probe's handler on sampled steps, under
+Runs inside `stabkit.attention.measure.measure.measure` (the attention probe's handler on sampled steps, under
 ``no_grad``, eager; and inside the compiled probe's opaque op, which calls the same eager code).
-It does the arithmetic of the blocked path (`attention_measure._sweep` and `candidate_max` on a
+It does the arithmetic of the blocked path (`stabkit.attention.measure.measure._sweep` and `candidate_max` on a
 single block) in the same order on the same values, so on finite logits its results are bitwise
 those of the blocked path — without its per-block bookkeeping (spans, running sums, per-head
 accumulators), and with the causal mask of the sample added as a 0 / −inf bias instead of written
@@ -19,9 +19,9 @@ import math
 
 import torch
 
-from ..attention.call import QKCall
-from .attention_blocks import candidate_reach, cost_qk, cost_scores, pick_queries, qk_logits, top_candidates
-from .attention_stats import CLAMP, HeadStats, Sampling
+from ..call import QKCall
+from .blocks import candidate_reach, cost_qk, cost_scores, pick_queries, qk_logits, top_candidates
+from .stats import CLAMP, HeadStats, Sampling
 
 
 def applies(call: QKCall, sampling: Sampling) -> bool:
@@ -108,7 +108,7 @@ def _entropy(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """((b, H, l) entropy of each query row, its probability on key 0, its largest softmax input) of
     (b, H, l, S) `logits` plus the causal `bias` (0 / −inf, (l, S); without a cap already added;
-    overwritten): `attention_stats.RowSums` on one key block. Every row sees key 0 (top-left causal or
+    overwritten): `stabkit.attention.measure.stats.RowSums` on one key block. Every row sees key 0 (top-left causal or
     no mask), so every row counts."""
     z = logits
     if cap is not None:
@@ -126,7 +126,7 @@ def _entropy(
 
 def _candidate_max(call: QKCall, per_row: int) -> torch.Tensor:
     """(H,) max |logit| over the `per_row` queries of each (row, head) with the largest ‖q‖·reach
-    (`attention_measure.candidate_max` on one block)."""
+    (`stabkit.attention.measure.measure.candidate_max` on one block)."""
     q, k = call.q, call.k.float().contiguous()  # the keys' one copy: their norms and the logits read it
     n_q, n_k = q.shape[2], k.shape[2]
     idx = top_candidates(q, k, candidate_reach(call, n_q, n_k), per_row)  # (B, H, m)

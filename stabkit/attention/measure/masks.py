@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from ..attention.call import FlexMask, Positions, QKCall
+from ..call import FlexMask, Positions, QKCall
 
 
 def _call_mod(

@@ -1,5 +1,5 @@
 """Attention-logit statistics, one block of logits at a time: max |logit|, and the entropy of each
-query row by an online log-sum-exp over its key blocks (the row/query sample: `attention_sample`,
+query row by an online log-sum-exp over its key blocks (the row/query sample: `stabkit.attention.measure.sample`,
 re-exported here).
 
 Runs inside the attention probe's handler, i.e. inside the attention module's forward on sampled
@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .attention_sample import EXACT, Sample, Sampling
+from .sample import EXACT, Sample, Sampling
 
 __all__ = [
     "CLAMP",
