@@ -1,7 +1,7 @@
 """Full-length tiny recipes: the issue's Done-when numbers (minutes each, on 2 CPU cores).
 
 Marked `slow` (deselected by default; run with ``-m slow``): the default suite tests the same
-machinery on shortened runs (harness/recipes/test_run.py, cli/test_run.py). The tests check what
+machinery on shortened runs (harness/recipes/run/test_run.py, cli/test_run.py). The tests check what
 was trained (every variant, every step), not how long it took: the wall time of each run is printed
 (and written to the summary, ``seconds``); step time is measured by `stabkit bench`.
 """

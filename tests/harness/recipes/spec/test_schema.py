@@ -202,7 +202,7 @@ def test_data_path_is_relative_to_the_recipe_and_cli_data_wins(tmp_path: Path) -
 
 def test_builtin_recipes_are_the_top_level_recipes_folder() -> None:
     """One copy, ``recipes/`` beside pyproject.toml; the wheel ships it (tests/harness/recipes/test_packaging.py)."""
-    folder = Path(__file__).resolve().parents[3] / "recipes"
+    folder = Path(__file__).resolve().parents[4] / "recipes"
     names = {p.name for p in folder.iterdir() if p.name.endswith(".toml")}
     assert names >= {f"{n}.toml" for n in REQUIRED}
     assert builtin_dir().samefile(folder)
