@@ -39,14 +39,13 @@ between training steps); `verify` right after, on one traced forward; `midrun_op
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import nn
 
-from ..tables import RANGE, Range, as_table
+from ..tables import RANGE, Range, TableError, as_table, fill
 from .handle import Handle, InterventionError
 
 if TYPE_CHECKING:
@@ -152,11 +151,6 @@ def option_ranges(cls: type[Intervention]) -> dict[str, Range]:
     return {f.name: f.metadata[RANGE] for f in dataclasses.fields(cls.options_class) if RANGE in f.metadata}
 
 
-def _number_ok(value: Any, limits: Range) -> bool:
-    number = isinstance(value, int | float) and not isinstance(value, bool)
-    return number and math.isfinite(value) and limits.contains(value)
-
-
 def check_options(cls: type[Intervention], given: Mapping[str, Any]) -> Any:
     """`given` (option -> value) over the defaults, as an instance of ``cls.options_class``.
 
@@ -175,20 +169,11 @@ def check_options(cls: type[Intervention], given: Mapping[str, Any]) -> Any:
             raise InterventionError(
                 cls.name, "", f"{key} must be one of {allowed_values}, got {options[key]!r}"
             )
-    for key, limits in option_ranges(cls).items():
-        value = options[key]
-        if value is not None and not _number_ok(value, limits):
-            integer = isinstance(defaults[key], int) and not isinstance(defaults[key], bool)
-            hint = f"; {limits.hint}" if limits.hint else ""
-            raise InterventionError(
-                cls.name, "", f"{key} must be {limits.describe(integer)}, got {value!r}{hint}"
-            )
-    try:
-        return cls.options_class(**given)
-    except (TypeError, ValueError) as exc:
-        if isinstance(exc, InterventionError):
-            raise
-        raise InterventionError(cls.name, "", str(exc)) from exc
+    try:  # types and ranges: the one table check every plug-in family's options go through
+        return fill(cls.options_class, given, cls.name)
+    except TableError as exc:
+        key = exc.key[len(cls.name) + 1 :] if exc.key.startswith(cls.name + ".") else ""
+        raise InterventionError(cls.name, "", f"{key} {exc.problem}" if key else exc.problem) from None
 
 
 def describe_options(cls: type[Intervention]) -> str:

@@ -64,7 +64,7 @@ def test_unknown_names_and_options_list_the_allowed_ones() -> None:
     with pytest.raises(InterventionError, match=r"^z_loss: coef must be a number in \[0, inf\), got nan"):
         apply(model, "z_loss", coef=float("nan"))
     with pytest.raises(
-        InterventionError, match=r"^qk_norm: eps must be a number in \(0, inf\), got 'small'; or None"
+        InterventionError, match=r"^qk_norm: eps must be a number in \(0, inf\) or \"none\", got 'small'"
     ):
         apply(model, "qk_norm", eps="small")
     with pytest.raises(InterventionError, match="pass options per entry"):
