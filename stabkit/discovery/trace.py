@@ -603,7 +603,7 @@ def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     stack: list[str] = []
     recorder = _Recorder(trace, params, stack)
     with (
-        kernels.install(),
+        kernels.install((model,)),
         _tracing(),
         _model_unchanged(model),
         torch.inference_mode(False),

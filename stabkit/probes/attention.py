@@ -129,7 +129,7 @@ class AttentionProbe(Probe):
         tracking.update(dict.fromkeys(ROW_MAXES, self._eager.on_row_max))
         tracking.update(dict.fromkeys(SUBTRACTIONS, self._eager.on_sub))
         self._kernel_handlers: dict[str, Callable[..., Any]] = {}
-        self._entry_points = kernels.install()  # Python-level kernels visible to the scope's mode
+        self._entry_points = kernels.install((ctx.model,))  # Python-level kernels visible to the scope's mode
         every = ctx.config.attention_every
         self.watch_forwards()
         self._scopes: list[ScopeHandle] = []
