@@ -98,7 +98,7 @@ def run(scenario: str, out: str) -> dict[str, Any]:
     base, *extras = scenario.split("+")
     lp = "lp" in extras
     hf = "hf" in extras
-    model = make_hf() if hf else make_model()
+    model = make_hf() if hf else make_model(flat="flat" in extras)
     rank, rows = 0, slice(0, GLOBAL_BATCH)
     if base != "single":
         from torch.distributed.device_mesh import init_device_mesh
