@@ -75,7 +75,7 @@ def unsharded(model: nn.Module, limit: int = FULL_LIMIT) -> Iterator[None]:
             for module in model.modules():
                 for name, p in list(module._parameters.items()):
                     if p is not None and _is_dtensor(p):
-                        full = p.full_tensor()  # a collective: every rank, same order
+                        full = p.full_tensor()  # type: ignore[attr-defined]  # a collective: every rank, same order
                         module._parameters[name] = nn.Parameter(full, requires_grad=p.requires_grad)
                         swapped.append((module, name, p))
         for module in model.modules():

@@ -74,8 +74,9 @@ from ..metric_names import ATTN, metric
 from .attention_eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from .attention_measure import measure
 from .attention_op import layout, measured, opaque_ok, summary_values
-from .attention_stats import HeadStats, Sampling
+from .attention_stats import HeadStats, Sampling, uncap
 from .base import Probe, ProbeContext, ProbeError, guarded
+from .split_exact import head_offset, record_head_parts
 
 INTERVENTION_CAP_ATTR = "_stabkit_attn_softcap"
 """Attribute the attn_softcap intervention sets on a capped attention module (its cap)."""
@@ -129,6 +130,10 @@ class AttentionProbe(Probe):
         tracking.update(dict.fromkeys(ROW_MAXES, self._eager.on_row_max))
         tracking.update(dict.fromkeys(SUBTRACTIONS, self._eager.on_sub))
         self._kernel_handlers: dict[str, Callable[..., Any]] = {}
+        self._split = ctx.facts.dist.world_size > 1
+        """Several ranks: per-head parts are recorded too, for statistics exact across them (`split_exact`)."""
+        self._heads: dict[str, tuple[int, int] | None] = {}
+        """path -> (global heads, this rank's first head), None when they cannot be told."""
         self._entry_points = kernels.install((ctx.model,))  # Python-level kernels visible to the scope's mode
         every = ctx.config.attention_every
         self.watch_forwards()
@@ -311,6 +316,21 @@ class AttentionProbe(Probe):
         for (name, combine, reduction), value in zip(entries, values, strict=True):
             names = tuple(metric(ATTN, path, name) for path, _ in calls)
             rec.add_vector(names, value, combine=combine, reduction=reduction)
+        if self._split:
+            local = stats.rows.shape[-1]
+            heads = {p: h for p, _ in calls if (h := self._global_heads(p, local)) is not None}
+            head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
+            record_head_parts(rec, calls, heads, per_head, head_max)
+
+    def _global_heads(self, path: str, local: int) -> tuple[int, int] | None:
+        """(global query heads, this rank's first) of the module at `path` computing `local` heads."""
+        if path not in self._heads:
+            assert self.ctx is not None
+            a = next((a for a in self.ctx.model_map.attentions if a.path == path), None)
+            total = (a.n_heads if a is not None else None) or local
+            offset = head_offset(self.ctx.model, a.q if a is not None else None, total, local)
+            self._heads[path] = None if offset is None else (total, offset)
+        return self._heads[path]
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:
         """After a scoped forward: a training-mode forward that made no call the probe can read means
