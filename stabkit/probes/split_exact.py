@@ -20,7 +20,6 @@ step's measured rows together.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
@@ -28,8 +27,9 @@ import torch
 from torch import nn
 
 from ..metric_names import metric
+from ..stats.outliers import TINY
 from ..stats.recorder import Recorder
-from .attention_stats import SINK_HEAD, HeadStats
+from .attention_stats import HeadStats
 
 Derivation = Callable[[dict[str, float]], None]
 """Sets derived statistics in a host row from their reduced parts, popping the parts."""
@@ -117,30 +117,39 @@ def _attention_derivation(path: str, heads: int, sinks: bool, per_head: bool) ->
     def derive(row: dict[str, float]) -> None:
         if names["rows"][0] not in row:
             return  # not measured in this step
-        got = {p: [row.pop(n) for n in ns] for p, ns in names.items() if ns[0] in row}
-        entropy, rows, first = got["entropy_sum"], got["rows"], got["first_sum"]
-        head_entropy = [e / r if r > 0 else 0.0 for e, r in zip(entropy, rows, strict=True)]
-        measured = [h for h, r in zip(head_entropy, rows, strict=True) if r > 0]
-        first_mass = [f / max(r, 1.0) for f, r in zip(first, rows, strict=True)]
-        sink_mass = [s / max(r, 1.0) for s, r in zip(got.get("sink_sum", []), rows, strict=False)]
-        mass = sink_mass if sinks else first_mass
-        out = {
-            "entropy": sum(entropy) / max(sum(rows), 1.0),
-            "min_head_entropy": min(measured) if measured else 0.0,
-            "sink_heads": sum(m > SINK_HEAD for m in mass) / heads,
-            "first_key_mass": max(mass),
+        got = {
+            p: torch.tensor([row.pop(n) for n in ns], dtype=torch.float64)
+            for p, ns in names.items()
+            if ns[0] in row
         }
-        if sinks:
-            out["sink_mass"] = sum(sink_mass) / heads
+        # float64 on the host, with the device summaries' own ops (NaN propagates as there)
+        sums = HeadStats(
+            got.get("max_logit", torch.zeros(heads, dtype=torch.float64)),
+            got["entropy_sum"],
+            got["rows"],
+            got["first_sum"],
+            got.get("sink_sum"),
+        )
+        ratio, top = sums.attention_sinks()
+        out = {
+            "entropy": sums.entropy(),
+            "min_head_entropy": sums.min_head_entropy(),
+            "sink_heads": ratio,
+            "first_key_mass": top,
+        }
+        sink = sums.sink_mass()
+        if sink is not None:
+            out["sink_mass"] = sink.mean()
         if per_head:
+            head_entropy, first = sums.head_entropy(), sums.first_key_mass()
             for g in range(heads):
-                out[f"head.{g}/max_logit"] = got["max_logit"][g]
+                out[f"head.{g}/max_logit"] = sums.max_logit[g]
                 out[f"head.{g}/entropy"] = head_entropy[g]
-                out[f"head.{g}/first_key_mass"] = first_mass[g]
-                if sinks:
-                    out[f"head.{g}/sink_mass"] = sink_mass[g]
+                out[f"head.{g}/first_key_mass"] = first[g]
+                if sink is not None:
+                    out[f"head.{g}/sink_mass"] = sink[g]
         for stat, value in out.items():
-            row[metric("attn", path, stat)] = value
+            row[metric("attn", path, stat)] = float(value)
 
     return derive
 
@@ -170,12 +179,13 @@ def _channel_derivation(path: str, squares: tuple[str, ...], tops: tuple[str, ..
         if count not in row:
             return
         tokens = max(row.pop(count), 1.0)
-        rms = [math.sqrt(max(row.pop(n), 0.0) / tokens) for n in squares]
-        top = [row.pop(n) for n in tops]
-        mean = sum(rms) / len(rms)
-        var = sum((c - mean) ** 2 for c in rms) / len(rms)
-        fourth = sum((c - mean) ** 4 for c in rms) / len(rms)
-        row[metric("act", path, "kurtosis")] = fourth / var**2 - 3.0 if var > 0 else 0.0
-        row[metric("act", path, "massive_dim")] = float(max(range(len(top)), key=top.__getitem__))
+        sumsq = torch.tensor([row.pop(n) for n in squares], dtype=torch.float64)
+        top = torch.tensor([row.pop(n) for n in tops], dtype=torch.float64)
+        rms = (sumsq / tokens).sqrt()  # as `stats.outliers`, in float64 (NaN propagates)
+        centred = rms - rms.mean()
+        var, fourth = centred.pow(2).mean(), centred.pow(4).mean()
+        kurtosis = torch.where(var > 0, fourth / var.clamp_min(TINY).pow(2) - 3.0, 0.0)
+        row[metric("act", path, "kurtosis")] = float(kurtosis)
+        row[metric("act", path, "massive_dim")] = float(top.argmax())
 
     return derive
