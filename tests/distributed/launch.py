@@ -22,7 +22,7 @@ WORKERS = TESTS / "dist_workers"
 SPLIT_ROWS = ("/min_head_entropy", "/first_key_mass", "/sink_heads", "/massive_dim", "/kurtosis")
 """Statistics that are minima, maxima or moments over heads or channels of per-rank values: made
 exact across ranks from their parts (`stabkit/probes/split_exact.py`); `worst_errors(split=True)` still
-leaves them out (the torchtitan test, whose FlexAttention runs compiled)."""
+leaves them out where a test asks (the torchtitan test under sequence parallel, not run without torchtitan)."""
 
 
 def torchrun(
