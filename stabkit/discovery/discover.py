@@ -13,6 +13,7 @@ from typing import Any
 
 from torch import nn
 
+from . import sharded
 from .by_names import by_names
 from .examples import as_example, synthesize_example
 from .families import family_of
@@ -24,12 +25,16 @@ from .trace_map import map_from_trace
 
 
 def _no_trace_possible(model: nn.Module) -> bool:
-    """True when no forward should be traced: FSDP2-sharded parameters (a forward would run
-    collectives) or a model on the meta device (no values to follow; HF mask code cannot run there)."""
-    return any(
-        p.device.type == "meta" or type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor"
-        for p in model.parameters()
-    )
+    """True when no forward should be traced: a model on the meta device (no values to follow; HF mask
+    code cannot run there), or sharded parameters (DTensors) that cannot be gathered to trace the model
+    they shard (`sharded.unsharded`): no process group up, or too large."""
+    if any(p.device.type == "meta" for p in model.parameters()):
+        return True
+    if not sharded.is_sharded(model):
+        return False
+    from ..distributed.context import process_group_active
+
+    return not process_group_active() or sharded.full_bytes(model) > sharded.FULL_LIMIT
 
 
 def traced_or_named(
@@ -47,7 +52,7 @@ def traced_or_named(
         if ex is None:
             reason = "no example input (pass example= to trace one forward)"
     elif _no_trace_possible(model):
-        reason = "meta device or sharded parameters (no forward is traced there)"
+        reason = "meta device, or sharded parameters without a process group or too large to gather"
     if ex is not None:
         try:
             return traced_map(model, ex)
@@ -83,7 +88,9 @@ def traced_map(model: nn.Module, example: Any, prefix: str = "") -> ModelMap:
     the root); kept (`Discovery.of(model)`) for the `inspect` calls that follow while the model is unchanged."""
     module = model.get_submodule(prefix) if prefix else model
     args, kwargs = as_example(example)
-    mmap = map_from_trace(module, run_trace(module, args, kwargs)).under(prefix)
+    with sharded.unsharded(model):
+        trace = run_trace(module, args, kwargs)
+    mmap = map_from_trace(module, trace).under(prefix)
     if mmap.found.get("attention") == "none":
         mmap = _names_for_opaque(model, mmap)
     _complete(model, mmap)
@@ -196,7 +203,9 @@ def logits_only(model: nn.Module, example: Any = None) -> ModelMap | None:
     if ex is None or _no_trace_possible(model):
         return None
     try:
-        return logits_from_trace(model, run_trace(model, *ex))
+        with sharded.unsharded(model):
+            trace = run_trace(model, *ex)
+        return logits_from_trace(model, trace)
     except Exception:  # the model needs inputs stabkit cannot guess
         return None
 

@@ -243,8 +243,11 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
 
 
 def _layout(x: torch.Tensor) -> tuple[Any, ...]:
-    """What makes two tensors the same values: storage, offset, shape, strides, dtype."""
-    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), x.stride(), x.dtype)
+    """What makes two tensors the same values: storage, offset, shape, strides, dtype (of a DTensor:
+    its local piece's, which holds the storage)."""
+    inner = getattr(x, "_local_tensor", None)
+    base = inner if isinstance(inner, torch.Tensor) else x
+    return (base.untyped_storage().data_ptr(), base.storage_offset(), tuple(x.shape), base.stride(), x.dtype)
 
 
 def first_tensor_in(value: Any) -> torch.Tensor | None:
@@ -574,6 +577,12 @@ def _module_stack(model: nn.Module, trace: Trace, stack: list[str]) -> Iterator[
             h.remove()
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local piece (compared without a collective), else `t`."""
+    inner = getattr(t, "_local_tensor", None)
+    return inner if isinstance(inner, torch.Tensor) else t
+
+
 @contextmanager
 def _model_unchanged(model: nn.Module) -> Iterator[None]:
     """Restore the RNG streams and every buffer after the traced forward (nothing about training changes)."""
@@ -587,7 +596,10 @@ def _model_unchanged(model: nn.Module) -> Iterator[None]:
         finally:
             with torch.no_grad():
                 for buf, saved in buffers:
-                    buf.copy_(saved)
+                    # only a changed buffer: a copy bumps its version, and the traced graph (followed
+                    # back afterwards) may have saved a view of it (a rotary table under tensor parallel)
+                    if not torch.equal(_local(buf), _local(saved)):
+                        buf.copy_(saved)
 
 
 def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Trace:
@@ -603,7 +615,7 @@ def run_trace(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     stack: list[str] = []
     recorder = _Recorder(trace, params, stack)
     with (
-        kernels.install(),
+        kernels.install((model,)),
         _tracing(),
         _model_unchanged(model),
         torch.inference_mode(False),

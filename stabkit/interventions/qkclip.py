@@ -357,7 +357,7 @@ def apply_qk_clip(model: nn.Module, options: QKClipOptions, model_map_override: 
                 resolve=measure.kernel,
             )
             keep_hook(handle, scope)
-        keep_hook(handle, kernels.install())
+        keep_hook(handle, kernels.install((model,)))
     except BaseException:
         handle.remove()
         raise

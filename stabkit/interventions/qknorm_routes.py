@@ -185,5 +185,5 @@ def hook_at_call(
         on_enter=change.enter,
     )
     keep_hook(handle, scope)
-    keep_hook(handle, kernels.install())
+    keep_hook(handle, kernels.install((model,)))
     return at

@@ -181,7 +181,7 @@ def apply_attn_softcap(model: nn.Module, cap: float = 50.0, model_map_override: 
                 on_enter=change.enter,
             )
             keep_hook(handle, scope)
-            keep_hook(handle, kernels.install())
+            keep_hook(handle, kernels.install((model,)))
         if routes["eager"]:
             eager = EagerCap(cap, handle)
 

@@ -75,13 +75,14 @@ from ..attention.measure.sites import (
     no_autocast,
     positive_number,
 )
-from ..attention.measure.stats import HeadStats, Sampling
+from ..attention.measure.stats import HeadStats, Sampling, uncap
 from ..attention.readers import Reader, read_mha, read_sdpa, read_softmax
 from ..attention.scope import SDPA, SOFTMAXES, ScopeHandle, attach_scope
 from ..discovery.modelmap import OPAQUE
 from ..hooks import hook_warning
 from ..metric_names import ATTN, metric
 from .base import Probe, ProbeContext, ProbeError, guarded
+from .split_exact import head_offset, record_head_parts
 
 
 class AttentionProbe(Probe):
@@ -115,7 +116,11 @@ class AttentionProbe(Probe):
         tracking.update(dict.fromkeys(ROW_MAXES, self._eager.on_row_max))
         tracking.update(dict.fromkeys(SUBTRACTIONS, self._eager.on_sub))
         self._kernel_handlers: dict[str, Callable[..., Any]] = {}
-        self._entry_points = kernels.install()  # Python-level kernels visible to the scope's mode
+        self._split = ctx.facts.dist.world_size > 1
+        """Several ranks: per-head parts are recorded too, for statistics exact across them (`split_exact`)."""
+        self._heads: dict[str, tuple[int, int] | None] = {}
+        """path -> (global heads, this rank's first head), None when they cannot be told."""
+        self._entry_points = kernels.install((ctx.model,))  # Python-level kernels visible to the scope's mode
         every = ctx.config.attention_every
         self.watch_forwards()
         self._scopes: list[ScopeHandle] = []
@@ -297,6 +302,21 @@ class AttentionProbe(Probe):
         for (name, combine, reduction), value in zip(entries, values, strict=True):
             names = tuple(metric(ATTN, path, name) for path, _ in calls)
             rec.add_vector(names, value, combine=combine, reduction=reduction)
+        if self._split:
+            local = stats.rows.shape[-1]
+            heads = {p: h for p, _ in calls if (h := self._global_heads(p, local)) is not None}
+            head_max = stats.max_logit if seen_capped is None else uncap(stats.max_logit, seen_capped)
+            record_head_parts(rec, calls, heads, per_head, head_max)
+
+    def _global_heads(self, path: str, local: int) -> tuple[int, int] | None:
+        """(global query heads, this rank's first) of the module at `path` computing `local` heads."""
+        if path not in self._heads:
+            assert self.ctx is not None
+            a = next((a for a in self.ctx.model_map.attentions if a.path == path), None)
+            total = (a.n_heads if a is not None else None) or local
+            offset = head_offset(self.ctx.model, a.q if a is not None else None, total, local)
+            self._heads[path] = None if offset is None else (total, offset)
+        return self._heads[path]
 
     def _on_exit(self, path: str, handled: int, output: Any) -> None:
         """After a scoped forward: a training-mode forward that made no call the probe can read means

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from ..distributed import is_dtensor, local
-from ..metric_names import ACT, metric
+from ..metric_names import ACT, metric, path_of
 from ..stats.opaque import OUTLIER_COMBINES, outlier_values
 from ..stats.outliers import OutlierReductions, finish_outliers_stacked, reduce_outliers, stack_key
 from ..stats.recorder import Reduction
 from .base import Probe, ProbeContext, first_tensor, guarded, select_modules
+from .split_exact import record_channel_parts
 
 STATS = ("massive_ratio", "massive_dim", "kurtosis")
 """The statistics of a block output, in `outlier_stats` order."""
@@ -84,6 +85,8 @@ class OutlierProbe(Probe):
         kept = reduce_outliers(x)
         if kept is None:
             return
+        if ctx.facts.dist.world_size > 1:  # parts for a kurtosis and channel exact across ranks
+            record_channel_parts(ctx.recorder, path_of(names[0]), x)
         self._kept.append((names, kept))
         ctx.recorder.defer(self._finish)  # the small ops run later, with every block's
 

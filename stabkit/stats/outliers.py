@@ -115,11 +115,14 @@ def _finish(
     """The statistics of (..., K) candidate maxima and medians, (...) channels of the largest |x| and
     (..., D) channel sums of squares over `tokens` tokens, per leading index."""
     ratio = (row_top / median.clamp_min(TINY)).amax(dim=-1)
-    channel = (sumsq / tokens).sqrt().float()  # (..., D) per-channel RMS
+    # the moments of the D channel RMS values in float64 where the device has it: an excess kurtosis
+    # near 0 is a difference of two numbers near 3, which float32 rounding would leave ~1e-6 off
+    wide = torch.float64 if sumsq.device.type != "mps" else torch.float32
+    channel = (sumsq.to(wide) / tokens).sqrt()  # (..., D) per-channel RMS
     centred = channel - channel.mean(dim=-1, keepdim=True)
     var = centred.pow(2).mean(dim=-1)
     fourth = centred.pow(4).mean(dim=-1)
-    kurtosis = torch.where(var > 0, fourth / var.clamp_min(TINY).pow(2) - 3.0, 0.0)
+    kurtosis = torch.where(var > 0, fourth / var.clamp_min(TINY).pow(2) - 3.0, 0.0).float()
     return ratio, where.float(), kurtosis
 
 

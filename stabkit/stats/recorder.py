@@ -152,6 +152,8 @@ class Recorder:
         self._names: dict[tuple[str, ...], tuple[str, ...]] = {}
         self.reductions: dict[str, Reduction] = {}
         """Cross-rank reduction declared by each metric name seen so far."""
+        self.derivations: dict[str, Callable[[dict[str, float]], None]] = {}
+        """Host statistics made from parts after the cross-rank reduction (`derive`), by key."""
 
     def add(
         self, name: str, value: torch.Tensor, combine: Combine = "last", reduction: Reduction = "mean"
@@ -206,6 +208,13 @@ class Recorder:
         """Record the statistics `names` at once from a (k,) device tensor (one per name, all combining
         and reducing alike); they become entries at the next eager read (no host sync)."""
         self._vectors.append((names, values, combine, reduction))
+
+    def derive(self, key: str, make: Callable[[dict[str, float]], None]) -> None:
+        """Register (once per `key`) `make(row)`: run on every host row `drain` and `peek` return,
+        after the cross-rank reduction, to set statistics that are no mean, sum or max of per-rank
+        values from parts recorded as sums and maxima (popping the parts: sinks never see them).
+        `stabkit.probes.split_exact` uses it under data, tensor and sequence parallelism."""
+        self.derivations.setdefault(key, make)
 
     def defer(self, finish: Callable[[], None]) -> None:
         """Run `finish` (once, however often deferred) before the current step's statistics are next
@@ -364,6 +373,8 @@ class Recorder:
                 start = cursor[packed.device]
                 row.update(zip(key, host[packed.device][start : start + len(key)]))
                 cursor[packed.device] = start + len(key)
+            for make in self.derivations.values():
+                make(row)
             out.append((step, row))
         return out
 

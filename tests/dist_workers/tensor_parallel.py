@@ -66,6 +66,8 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def config(scenario: str) -> stabkit.MonitorConfig:
     options = dict(CONFIG)
+    if "+heads" in scenario:  # per-head attention statistics, numbered by global head under TP
+        options["attn_per_head"] = True
     if "+clip" in scenario:  # ZClip with a ceiling below the gradient norm: it clips from step 1 on
         options["detect"] = DetectConfig(
             actions={"spike": ["warn", "clip"]}, options={"clip": {"warmup": 1, "max_norm": CLIP}}
@@ -98,7 +100,7 @@ def run(scenario: str, out: str) -> dict[str, Any]:
     base, *extras = scenario.split("+")
     lp = "lp" in extras
     hf = "hf" in extras
-    model = make_hf() if hf else make_model()
+    model = make_hf() if hf else make_model(flat="flat" in extras)
     rank, rows = 0, slice(0, GLOBAL_BATCH)
     if base != "single":
         from torch.distributed.device_mesh import init_device_mesh

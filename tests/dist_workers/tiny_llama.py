@@ -86,6 +86,24 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
+class FlatBlock(nn.Module):
+    """A block that holds its MLP's projections directly (``w1``, ``w2``, ``w3``), no MLP module."""
+
+    def __init__(self, dim: int, n_heads: int, n_kv_heads: int) -> None:
+        super().__init__()
+        self.attention = Attention(dim, n_heads, n_kv_heads)
+        self.attention_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.ffn_norm = nn.RMSNorm(dim, eps=1e-5)
+        self.w1 = nn.Linear(dim, 2 * dim, bias=False)
+        self.w2 = nn.Linear(2 * dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, 2 * dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        y = self.ffn_norm(h)
+        return h + self.w2(F.silu(self.w1(y)) * self.w3(y))
+
+
 class Transformer(nn.Module):
     def __init__(
         self,
@@ -94,13 +112,13 @@ class Transformer(nn.Module):
         n_layers: int = LAYERS,
         n_heads: int = HEADS,
         n_kv_heads: int = KV_HEADS,
+        flat: bool = False,
     ) -> None:
         super().__init__()
         self.tok_embeddings = nn.Embedding(vocab, dim)
         self.register_buffer("rope", rope_table(dim // n_heads, SEQ), persistent=False)
-        self.layers = nn.ModuleDict(
-            {str(i): TransformerBlock(dim, n_heads, n_kv_heads) for i in range(n_layers)}
-        )
+        block = FlatBlock if flat else TransformerBlock
+        self.layers = nn.ModuleDict({str(i): block(dim, n_heads, n_kv_heads) for i in range(n_layers)})
         self.norm = nn.RMSNorm(dim, eps=1e-5)
         self.output = nn.Linear(dim, vocab, bias=False)
 
@@ -111,10 +129,10 @@ class Transformer(nn.Module):
         return self.output(self.norm(h))
 
 
-def make_model(seed: int = 0) -> Transformer:
-    """The same weights on every process."""
+def make_model(seed: int = 0, flat: bool = False) -> Transformer:
+    """The same weights on every process (`flat`: blocks hold w1, w2, w3 directly, `FlatBlock`)."""
     torch.manual_seed(seed)
-    return Transformer()
+    return Transformer(flat=flat)
 
 
 def apply_tp(
@@ -145,14 +163,16 @@ def apply_tp(
         root["norm"] = SequenceParallel()
     parallelize_module(model, tp_mesh, root)  # type: ignore[arg-type]
     for block in model.layers.values():
+        flat = isinstance(block, FlatBlock)
+        mlp = "" if flat else "feed_forward."
         plan: dict = {
             "attention.wq": ColwiseParallel(),
             "attention.wk": ColwiseParallel(),
             "attention.wv": ColwiseParallel(),
             "attention.wo": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=seq),
-            "feed_forward.w3": ColwiseParallel(),
+            f"{mlp}w1": ColwiseParallel(input_layouts=seq if flat else Replicate()),
+            f"{mlp}w2": RowwiseParallel(output_layouts=seq),
+            f"{mlp}w3": ColwiseParallel(input_layouts=seq if flat else Replicate()),
         }
         if sequence_parallel:
             plan["attention_norm"] = SequenceParallel()
@@ -160,9 +180,10 @@ def apply_tp(
                 input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
             )
             plan["ffn_norm"] = SequenceParallel()
-            plan["feed_forward"] = PrepareModuleInput(
-                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
-            )
+            if not flat:
+                plan["feed_forward"] = PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)
+                )
         parallelize_module(block, tp_mesh, plan)  # type: ignore[arg-type]
 
 

@@ -20,8 +20,9 @@ TESTS = Path(__file__).parents[1]
 """The tests/ folder (its parent, the repository root, goes on the workers' PYTHONPATH)."""
 WORKERS = TESTS / "dist_workers"
 SPLIT_ROWS = ("/min_head_entropy", "/first_key_mass", "/sink_heads", "/massive_dim", "/kurtosis")
-"""Statistics that are not exact once the batch or the sequence is split over ranks (data parallel,
-sequence parallel): minima and maxima over heads or channels of per-rank values, per-rank medians."""
+"""Statistics that are minima, maxima or moments over heads or channels of per-rank values: made
+exact across ranks from their parts (`stabkit/probes/split_exact.py`); `worst_errors(split=True)` still
+leaves them out where a test asks (the torchtitan test under sequence parallel, not run without torchtitan)."""
 
 
 def torchrun(

@@ -85,20 +85,49 @@ def test_tp_sequence_and_loss_parallel_nan_named_alike_on_every_rank(tmp_path: P
     sharded over the vocabulary): every statistic as one process; a NaN made in rank 1's shard of
     one q projection is named at that module on both ranks, and both skip the step."""
     ranks = torchrun("tp_sp+lp+nan", tmp_path / "sp")
-    compare(ranks, single("single+nan", tmp_path / "single"), split=True)
+    compare(ranks, single("single+nan", tmp_path / "single"), split=False)
     for r in ranks:
         assert r["events"] == [[worker.NAN_STEP, "nonfinite", worker.NAN_MODULE, True]]
     events = [e for e in read_jsonl(tmp_path / "sp" / "run" / "stabkit.jsonl") if e["type"] == "event"]
     assert [(e["step"], e["where"]) for e in events] == [(worker.NAN_STEP, worker.NAN_MODULE)]
 
 
+FLAT_NAMES = ("act/layers.0.attention/rms", "act/layers.0.w2/rms", "attn/layers.1.attention/head.3/entropy")
+"""Logged by one process for the decoder whose blocks hold attention, w1, w2, w3 directly (by the
+trace: no MLP module to find by name) with per-head statistics (4 heads: the last one, global index)."""
+SPLIT_KINDS = {
+    "attn/min_head_entropy",
+    "attn/first_key_mass",
+    "attn/sink_heads",
+    "act/kurtosis",
+    "act/massive_dim",
+}
+"""Statistics a split batch or split heads used to leave per rank (`launch.SPLIT_ROWS`): compared too."""
+
+
+def test_tp_flat_blocks_log_what_one_process_logs(tmp_path: Path) -> None:
+    """TP over 2 ranks on blocks holding attention, w1, w2, w3 directly (torchtitan's plan: q/k/v and
+    w1 colwise, o and w2 rowwise): discovery traces the model the shards make up, so rank 0 logs the
+    same metric names as one process, every value within REL — per-head statistics numbered by
+    global head (each rank computes 2 of the 4), the per-head minima and maxima included."""
+    ranks = torchrun("tp+flat+heads", tmp_path / "tp")
+    worst = compare(ranks, single("single+flat+heads", tmp_path / "single"), split=False)
+    assert set(FLAT_NAMES) <= set(ranks[0]["history"][0][1])
+    assert set(worst) >= SPLIT_KINDS
+
+
 def test_fsdp2_x_tp_2x2_norms_and_clip_equal_one_process(tmp_path: Path) -> None:
     """FSDP2 (2) x TP (2): the norm weights, left alone by the TP plan, are sharded on the data-parallel
     mesh only and held twice (once per TP rank); gradient, parameter and update norms count them once.
-    The clip action clips every rank by the one global norm (losses and clip/* as one process)."""
-    ranks = torchrun("fsdp_tp+clip", tmp_path / "fsdp_tp", nproc=4)
-    worst = compare(ranks, single("single+clip", tmp_path / "single"), split=True)
+    The clip action clips every rank by the one global norm (losses and clip/* as one process). Blocks
+    hold attention, w1, w2, w3 directly and per-head statistics are on: the same names as one process,
+    and every statistic within REL although the batch is split over the data-parallel ranks and the
+    heads over the TP ranks (per-head sums and counts reduced by sum, maxima by max, divided after)."""
+    ranks = torchrun("fsdp_tp+clip+flat+heads", tmp_path / "fsdp_tp", nproc=4)
+    worst = compare(ranks, single("single+clip+flat+heads", tmp_path / "single"), split=False)
     assert {"grad/norm", "param/norm", "update/ratio", "clip/pre_norm", "clip/post_norm"} <= set(worst)
+    assert set(worst) >= SPLIT_KINDS
+    assert set(FLAT_NAMES) <= set(ranks[0]["history"][0][1])
     assert ranks[0]["history"][-1][1]["clip/did_clip"] == 1.0
     one_writer(tmp_path / "fsdp_tp" / "run")
 

@@ -9,6 +9,9 @@ import f`` copies) — by a wrapper that, while any function mode is active, rou
 calls the original directly (one C call of overhead). The wrapper computes nothing else, so
 training is unchanged. Only libraries already imported are touched (stabkit never imports them).
 
+``torch.compile`` wrappers of the entry points made before `install` (``torch.compile(flex_attention)``)
+are found in module globals and on the given model (`compiled`) and wrapped the same way.
+
 Installed when something needs to see kernels (a monitor at attach, discovery's traced forward, an
 intervention that changes kernel calls) and uninstalled when the last of them is done: `install`
 returns a handle; handles are counted.
@@ -19,12 +22,14 @@ from __future__ import annotations
 import functools
 import importlib
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
+from . import compiled
 from .base import KERNELS, forget_wrapper, note_wrapper
 
 
@@ -32,6 +37,7 @@ from .base import KERNELS, forget_wrapper, note_wrapper
 class _Patched:
     original: Callable[..., Any]
     wrapper: Callable[..., Any]
+    kernel: str
     places: list[tuple[Any, str]] = field(default_factory=list)
     """(namespace object, attribute) pairs that now hold the wrapper."""
 
@@ -81,7 +87,7 @@ def _patch(target: str, kernel: str) -> None:
         return  # the same function, wrapped already under another of the kernel's import paths
     original = value
     wrapper = make_visible(original)
-    patched = _Patched(original, wrapper)
+    patched = _Patched(original, wrapper, kernel)
     setattr(owner, attr, wrapper)
     patched.places.append((owner, attr))
     if not isinstance(owner, type):  # a module-level function: also the copies other modules imported
@@ -95,6 +101,24 @@ def _patch(target: str, kernel: str) -> None:
                     patched.places.append((module, name))
     note_wrapper(wrapper, kernel)
     _PATCHED[target] = patched
+
+
+def _patch_compiled(roots: Iterable[nn.Module]) -> None:
+    """Wrap every ``torch.compile`` wrapper of a wrapped entry point (`compiled.find`)."""
+    watched = {}
+    for entry in _PATCHED.values():
+        if compiled.compiled_from(entry.original) is None:
+            watched[id(entry.original)] = entry.kernel
+            watched[id(entry.wrapper)] = entry.kernel  # compiled while a monitor was attached
+    if not watched:
+        return
+    for owner, attr, fn, kernel in compiled.find(watched, roots):
+        key = f"compiled@{id(fn)}"
+        if key not in _PATCHED:
+            _PATCHED[key] = _Patched(fn, make_visible(fn), kernel)
+            note_wrapper(_PATCHED[key].wrapper, kernel)
+        setattr(owner, attr, _PATCHED[key].wrapper)
+        _PATCHED[key].places.append((owner, attr))
 
 
 def _unpatch_all() -> None:
@@ -132,13 +156,16 @@ class EntryPoints:
         self.remove()
 
 
-def install() -> EntryPoints:
+def install(roots: Iterable[nn.Module] = ()) -> EntryPoints:
     """Wrap the Python entry points of every registered kernel whose module is loaded (again at each
-    call: a library imported since is picked up). Returns a hold to `remove` when done."""
+    call: a library imported since is picked up), and the ``torch.compile`` wrappers of them held in
+    module globals or by the models in `roots` (their modules and classes). Returns a hold to
+    `remove` when done."""
     _USERS[0] += 1
     for kernel in list(KERNELS.values()):
         for target in kernel.functions:
             _patch(target, kernel.name)
+    _patch_compiled(roots)
     return EntryPoints()
 
 
