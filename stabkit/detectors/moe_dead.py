@@ -9,9 +9,17 @@ expert never routed since attach counts from the first step the layer was measur
 
 One event per layer each time its set of dead experts gains members, naming the layer and the experts
 newly dead (an expert that gets a token again leaves the set, and is reported again if it dies again);
-``details["since"]`` is the last step any of them had a token. A warning: an expert without tokens gets
-no gradient through the router's choice and does not come back on its own; a healthy run keeps every
-expert fed (the corpus' MoE runs: none dead).
+``details["since"]`` is the last step any of them had a token. Graded by how much of the layer is lost
+and for how long:
+
+- a note ('info') for a dead expert while the layer's dead experts are fewer than `warn_share` of E:
+  a rarely chosen expert of a small run can go 100–230 steps without a token and come back (tiny HF
+  Mixtral, top-2 of 8, 512 choices a step, balancing loss 1e-2..5e-2: one such expert per run, early,
+  never two at once);
+- a warning once the dead experts are `warn_share` (a quarter) of the layer's experts or more, or an
+  expert reported dead is still dead `warn_steps` (500) after its last token: an expert without tokens
+  gets no gradient through the router's choice, and the Switch / GShard balancing loss gives it none
+  either (its gradient on an expert's probability is proportional to that expert's load, zero here).
 
 Runs when the detectors consume values (`stabkit.detectors.base`). Options: `DeadOptions`
 (``DetectConfig.options["dead_experts"]``). Pure Python; checkpointable.
@@ -39,6 +47,10 @@ class DeadOptions:
     """Training steps without a token after which an expert is dead (the MoE probe's window)."""
     min_values: int = field(default=5, metadata=bounds(lo=1))
     """... seen so in at least this many sampled steps."""
+    warn_share: float = field(default=0.25, metadata=bounds(lo=0, hi=1, lo_open=True))
+    """Dead experts of a layer at this share of its experts or more: a warning (fewer: a note)."""
+    warn_steps: int = field(default=500, metadata=bounds(lo=1))
+    """An expert still dead this many steps after its last token: a warning (once per death)."""
 
 
 @dataclass
@@ -49,6 +61,8 @@ class _Layer:
     """Per expert, sampled steps without a token since `last`."""
     dead: set[int] = field(default_factory=set)
     """Experts reported dead and not fed since."""
+    warned: set[int] = field(default_factory=set)
+    """Experts of `dead` whose death was reported as a warning."""
 
 
 @DETECTORS.register
@@ -98,6 +112,7 @@ class DeadExpertsDetector(Detector):
             if x > 0:
                 layer.last[e], layer.empty[e] = step, 0
                 layer.dead.discard(e)
+                layer.warned.discard(e)
             else:
                 layer.empty[e] += 1
         dead = {
@@ -105,30 +120,49 @@ class DeadExpertsDetector(Detector):
         }
         new = sorted(dead - layer.dead)
         layer.dead |= dead
-        if not new:
+        many = len(layer.dead) >= o.warn_share * len(load)
+        held = sorted(e for e in layer.dead - layer.warned if step - layer.last[e] >= o.warn_steps)
+        if many:
+            held = sorted(layer.dead - layer.warned)
+        if not new and not held:
             return None
-        return self._event(step, path, new, len(layer.dead), len(load), max(layer.last[e] for e in new))
+        severity = "warning" if many or held else "info"
+        named = sorted(set(new) | set(held)) if severity == "warning" else new
+        if severity == "warning":
+            layer.warned |= layer.dead if many else set(held)
+        return self._event(step, path, named, layer, len(load), severity, many)
 
-    def _event(self, step: int, path: str, new: list[int], dead: int, n: int, since: int) -> Event:
+    def _event(
+        self, step: int, path: str, named: list[int], layer: _Layer, n: int, severity: str, many: bool
+    ) -> Event:
         o = self.options
-        which = ", ".join(str(e) for e in new)
+        since = max(layer.last[e] for e in named)
+        dead = len(layer.dead)
+        which = ", ".join(str(e) for e in named)
+        if severity == "info":
+            why = f"a note: a warning at {o.warn_share:.0%} of the experts or {o.warn_steps} steps dead"
+        elif many:
+            why = f"at least {o.warn_share:.0%} of the layer's experts"
+        else:
+            why = f"dead {step - since} steps, past {o.warn_steps}"
         return Event(
             step,
             self.kind,
             path,
             float(dead),
             0.0,
-            f"dead experts in {path}: expert{'s' if len(new) > 1 else ''} {which} got no token in the last "
-            f"{step - since} steps (every sampled step since step {since}; dead after {o.window}) — "
-            f"{dead} of {n} experts dead",
+            f"dead experts in {path}: expert{'s' if len(named) > 1 else ''} {which} got no token since step "
+            f"{since} (no sampled step for {step - since} steps; dead after {o.window}) — {dead} of {n} "
+            f"experts dead ({why})",
             details={
                 "layer": path,
                 "module": path,
-                "experts": new,
+                "experts": named,
                 "dead": dead,
                 "n_experts": n,
                 "since": since,
             },
+            severity=severity,
         )
 
     def rewind(self, step: int) -> None:
@@ -136,12 +170,20 @@ class DeadExpertsDetector(Detector):
         self.layers = {}
 
     def state_dict(self) -> dict[str, Any]:
-        """Per layer: last fed step, empty sampled steps since, and the experts reported dead."""
-        return {k: {"last": s.last, "empty": s.empty, "dead": sorted(s.dead)} for k, s in self.layers.items()}
+        """Per layer: last fed step, empty sampled steps since, the experts reported dead and warned of."""
+        return {
+            k: {"last": s.last, "empty": s.empty, "dead": sorted(s.dead), "warned": sorted(s.warned)}
+            for k, s in self.layers.items()
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output."""
         self.layers = {
-            k: _Layer([int(v) for v in s["last"]], [int(v) for v in s["empty"]], {int(e) for e in s["dead"]})
+            k: _Layer(
+                [int(v) for v in s["last"]],
+                [int(v) for v in s["empty"]],
+                {int(e) for e in s["dead"]},
+                {int(e) for e in s.get("warned", ())},
+            )
             for k, s in state.items()
         }
