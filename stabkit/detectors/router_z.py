@@ -3,21 +3,22 @@
 Read from ``moe/<layer>/logz_mean`` — the mean over tokens of logsumexp of the router logits, what
 ST-MoE's router z-loss squares (Zoph et al. 2022) — on sampled steps; ``moe/<layer>/logit_max`` is
 quoted in the message. Large router logits are what ST-MoE's z-loss was made against: in bf16 the
-roundoff of a logit grows with its size, and the exponentials of the softmax magnify it. Like the
-`drift` kind's rules, relative to the layer's own start (the median of its first `baseline` values:
-about log E at init), once `window` values are kept:
+roundoff of a logit grows with its size, and the exponentials of the softmax magnify it. Relative to
+the layer's own start (the median of its first `baseline` values: about log E at init):
 
-    router z drift ⇔ a robust Theil–Sen slope of the window's log Z whose 95 % interval is above 0,
-                     the fitted end at least `level` nats above the start,
-                     and a fitted rise of at least `change` nats over the window.
+    router z drift ⇔ the last `persist` values are all at least `level` nats above the start.
 
+One event per drift — a note, then a warning once it passes the danger line or the loss stalls (below);
+the layer re-arms once log Z is back below the level. ``details["since"]`` is the
+last step log Z was within half the level of its start (where the growth began, for 'rescue').
 Healthy tiny routers (HF Mixtral top-2 of 8, OLMoE top-4 of 16, Qwen2-MoE, AdamW 1e-3..3e-3, their
-balancing loss on) rose 0.1–0.75 nats in 300 steps, as routers sharpen. After an event the layer stays
-quiet for one window.
+balancing loss on) rose 0.1–0.75 nats in 300 steps, as routers sharpen. A rule on values held, not a
+fitted slope: router logits that run away grow geometrically (a router weight growing 5 % a step: log Z
+2 → 7 → 76 in 60 steps), and a robust line fitted over a window still mostly flat lags far behind.
 
 **Severity**, as the `drift` kind grades: growth while the model keeps learning is a note ('info'); a
-warning once the loss has stopped falling over the window (or the last `loss_span` steps when longer),
-or once the fitted log Z is `danger` nats or more above the start (twice the level, as `drift`'s log Z
+warning once the loss has stopped falling since the growth began (over at least the last `loss_span`
+steps), or once the held values are all `danger` nats or more above the start (twice the level, as `drift`'s log Z
 danger line is twice its level: the router's logits have grown by ~6 where the softmax's exponentials
 of bf16-rounded logits lose their resolution).
 
@@ -32,8 +33,6 @@ from collections import deque
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
-
-import numpy as np
 
 from ..events import Event
 from ..plugins import DETECTORS
@@ -50,26 +49,28 @@ LOSS_KEPT = 4096
 class RouterZOptions:
     """``DetectConfig.options["router_z"]``."""
 
-    window: int = field(default=20, metadata=bounds(lo=5, hint="a slope needs points"))
-    """Values (sampled steps) in the robust-slope window of each layer's log Z."""
     baseline: int = field(default=5, metadata=bounds(lo=1))
     """First values of a layer whose median is its start."""
     level: float = field(default=3.0, metadata=bounds(lo=0, lo_open=True))
-    """Drift only once the fitted log Z is at least this many nats above the start (healthy: < 1)."""
-    change: float = field(default=0.5, metadata=bounds(lo=0, lo_open=True))
-    """... and rose at least this many nats over the window."""
+    """Drift: log Z at least this many nats above the start (healthy tiny routers: < 1 in 300 steps)."""
+    persist: int = field(default=3, metadata=bounds(lo=1))
+    """... in this many consecutive sampled values."""
     danger: float = field(default=6.0, metadata=bounds(lo=0, lo_open=True))
-    """A drift this many nats above the start is a warning even while the loss falls."""
+    """Held this many nats above the start: a warning even while the loss falls."""
     loss_span: int = field(default=100, metadata=bounds(lo=1))
-    """The fewest steps over which "the loss still falls" is judged (the window's span when longer)."""
+    """The fewest steps over which "the loss still falls" is judged (since the growth began when longer)."""
 
 
 @dataclass
 class _Layer:
-    window: deque[tuple[int, float]]
     first: list[float] = field(default_factory=list)
-    seen: int = 0
-    quiet_until: int = 0
+    run: list[float] = field(default_factory=list)
+    """The newest consecutive values at or above the level (at most `persist`)."""
+    calm: int | None = None
+    """The last step log Z was within half the level of the start."""
+    reported: str | None = None
+    """The severity this drift was reported at ('info', then 'warning' once it passes the danger line);
+    None: not yet (the layer is armed)."""
 
 
 @DETECTORS.register
@@ -97,7 +98,7 @@ class RouterZDetector(Detector):
         self.losses: deque[tuple[int, float]] = deque(maxlen=LOSS_KEPT)
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
-        """An event for each layer whose log Z window shows sustained growth past the level."""
+        """An event for each layer whose log Z has just held `level` nats above its start."""
         events = []
         for name, x in values.items():
             if not math.isfinite(x):
@@ -115,36 +116,33 @@ class RouterZDetector(Detector):
 
     def _update(self, step: int, path: str, x: float) -> Event | None:
         o = self.options
-        s = self.layers.get(path)
-        if s is None:
-            s = self.layers[path] = _Layer(deque(maxlen=o.window))
-        s.window.append((step, x))
-        s.seen += 1
+        s = self.layers.setdefault(path, _Layer())
         if len(s.first) < o.baseline:
             s.first.append(x)
-        if len(s.window) < o.window or s.seen < s.quiet_until:
+            s.calm = step
             return None
         start = median_sorted(sorted(s.first))
-        if x - start < o.level:  # the usual answer, before any array is made
+        if x - start < o.level / 2:
+            s.calm = step
+        if x - start < o.level:
+            s.run, s.reported = [], None
             return None
-        steps = np.array([t for t, _ in s.window], dtype=np.float64)
-        y = np.array([v for _, v in s.window], dtype=np.float64)
-        from scipy.stats import theilslopes  # scipy.stats is slow to import: load on the first fit
-
-        slope, intercept, low, _high = theilslopes(y, steps)
-        rise = slope * (steps[-1] - steps[0])
-        end = intercept + slope * steps[-1]
-        if not (low > 0 and end - start >= o.level and rise >= o.change):
+        s.run = [*s.run, x][-o.persist :]
+        if s.reported == "warning" or len(s.run) < o.persist:
             return None
-        s.quiet_until = s.seen + o.window
-        return self._event(path, s, x, start, end, rise, slope)
+        if s.reported == "info" and min(s.run) - start < o.danger:
+            return None
+        event = self._event(step, path, s, x, start)
+        if event.severity == "info" and s.reported == "info":
+            return None
+        s.reported = event.severity
+        return event
 
-    def _event(
-        self, path: str, s: _Layer, x: float, start: float, end: float, rise: float, slope: float
-    ) -> Event:
+    def _event(self, step: int, path: str, s: _Layer, x: float, start: float) -> Event:
         o = self.options
-        step, first = s.window[-1][0], s.window[0][0]
-        severity, why = self._severity(end - start, first, step)
+        since = s.calm if s.calm is not None else step
+        offset = min(s.run) - start
+        severity, why = self._severity(offset, since, step)
         top = self.logit_max.get(path)
         logit = f"; largest router logit {top:.3g}" if top is not None else ""
         return Event(
@@ -153,27 +151,27 @@ class RouterZDetector(Detector):
             path,
             x,
             start + o.level,
-            f"router z drifting in {path}: mean router log Z rose {rise:.2f} nats over the last {step - first} "
-            f"steps (robust slope > 0) to {x:.3g}, {end - start:.2f} nats above its start {start:.3g}{logit} {why}",
+            f"router z drifting in {path}: mean router log Z is {x:.3g}, {x - start:.2f} nats above its start "
+            f"{start:.3g} (≥ {o.level:g} above it for {o.persist} sampled steps; within {o.level / 2:g} of it at "
+            f"step {since}){logit} {why}",
             details={
                 "layer": path,
                 "module": path,
                 "series": f"moe/{path}/logz_mean",
                 "start": start,
-                "offset": end - start,
-                "slope": slope,
+                "offset": offset,
                 "logit_max": top,
-                "since": first,
+                "since": since,
                 "loss_falling": why.startswith("while"),
             },
             severity=severity,
         )
 
-    def _severity(self, offset: float, first: int, step: int) -> tuple[str, str]:
+    def _severity(self, offset: float, since: int, step: int) -> tuple[str, str]:
         o = self.options
         if offset >= o.danger:
             return "warning", f"— past its danger line, {o.danger:g} nats above the start"
-        falling = self._loss_falls(min(first, step - o.loss_span), step)
+        falling = self._loss_falls(min(since, step - o.loss_span), step)
         if falling is None:
             return "warning", "— the loss is not known to be falling"
         if not falling:
@@ -193,31 +191,26 @@ class RouterZDetector(Detector):
         return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))
 
     def rewind(self, step: int) -> None:
-        """Forget every window value from `step` on, and the cooldowns (the start stays)."""
+        """Forget the held values and arm every layer again (the start stays: it describes the run's
+        beginning, which the rollback kept)."""
         for s in self.layers.values():
-            kept = [(t, v) for t, v in s.window if t < step]
-            s.window.clear()
-            s.window.extend(kept)
-            s.quiet_until = 0
+            s.run, s.reported = [], None
 
     def state_dict(self) -> dict[str, Any]:
-        """Per layer: its window, first values and cooldown."""
+        """Per layer: its first values, the held run, the last calm step and what was reported."""
         return {
-            k: {
-                "window": [list(p) for p in s.window],
-                "first": s.first,
-                "seen": s.seen,
-                "quiet_until": s.quiet_until,
-            }
+            k: {"first": s.first, "run": s.run, "calm": s.calm, "reported": s.reported}
             for k, s in self.layers.items()
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore `state_dict()` output."""
-        self.layers = {}
-        for k, s in state.items():
-            window: deque[tuple[int, float]] = deque(maxlen=self.options.window)
-            window.extend((int(t), float(v)) for t, v in s["window"])
-            self.layers[k] = _Layer(
-                window, [float(v) for v in s["first"]], int(s["seen"]), int(s["quiet_until"])
+        self.layers = {
+            k: _Layer(
+                [float(v) for v in s["first"]],
+                [float(v) for v in s["run"]],
+                None if s["calm"] is None else int(s["calm"]),
+                s["reported"],
             )
+            for k, s in state.items()
+        }
