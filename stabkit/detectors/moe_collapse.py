@@ -13,12 +13,14 @@ and every choice on the same k experts (1/k) (`stabkit.detectors.moe_loads`):
 Why these numbers. A tiny 2-layer HF Mixtral (d 64, top-2 of 8, byte text, AdamW, no warmup) without a
 balancing loss collapses one layer at LR 3e-3 within 20 steps: fraction 0.9–1.0 (MaxVio 2.7–3.0 of 3)
 for 200 steps while the loss keeps falling (the issue's own measurement: MaxVio 3.0, val loss 2.27).
-The same model *with* its balancing loss (coefficient 1e-2) — and OLMoE (top-4 of 16) and Qwen2-MoE
-(top-2 of 8) alike — passes through a transient collapse in its first 20–50 steps (fraction up to
-1.0 for 2–4 sampled steps) and then balances to 0.2–0.6 per step (single batches of 512 tokens, byte
-text). So the level is high (0.75) and the hold spans 100 steps: the transient passes, a collapse the
-balancing cannot undo does not. One event per collapse: a layer re-arms once at most half of its span
-is at or above the level. The event names the layer and its busiest expert; ``details["since"]`` is
+The same model *with* its balancing loss (coefficient 1e-2) — and OLMoE (top-4 of 16) alike — passes
+through a transient collapse in its first 20–50 steps (fraction up to 1.0 for 2–4 sampled steps) and
+then balances to 0.2–0.6 per step (single batches of 512 tokens, byte text); a tiny Qwen2-MoE (top-2 of
+4 beside its shared expert, the same loss, 20 steps of warmup) stays collapsed from step 20 to 110–150
+before its balancing loss wins (its aux loss is ≈ k, flat, while the router's probabilities are
+near uniform). So the level is high (0.75) and the hold spans 200 steps: the transient passes, a
+collapse the balancing cannot undo does not. One event per collapse: a layer re-arms once `min_values` values in a
+row are below the level, and its next collapse is judged on a full span from there. The event names the layer and its busiest expert; ``details["since"]`` is
 the first step of the held span. Layers unknown to the context (no top-k known) are not judged.
 
 Severity: a warning (what a healthy run never raises): the loss does not show a collapse (Qwen3 #1418,
@@ -50,13 +52,13 @@ class CollapseOptions:
     level: float = field(default=0.75, metadata=bounds(lo=0, hi=1, lo_open=True))
     """Collapsed step: MaxVio at least this fraction of its maximum E/k − 1 (top-2 of 8: MaxVio ≥ 2.25,
     the busiest expert ≥ 40.6 % of the choices)."""
-    hold_steps: int = field(default=100, metadata=bounds(lo=1))
+    hold_steps: int = field(default=200, metadata=bounds(lo=1))
     """The span, in training steps, over which the collapse must hold (healthy runs' early transients
-    last 20–50 steps)."""
+    last 20–150 steps)."""
     held: float = field(default=0.8, metadata=bounds(lo=0, hi=1, lo_open=True))
     """Fraction of the span's sampled values that must be at or above `level`."""
     min_values: int = field(default=3, metadata=bounds(lo=1))
-    """The fewest sampled values a span is judged on (sampled every 100 steps, a 100-step span holds 2)."""
+    """The fewest sampled values a span is judged on (sampled every 100 steps, a 200-step span holds 3)."""
 
 
 @dataclass
@@ -123,7 +125,10 @@ class ExpertCollapseDetector(Detector):
         span = [(t, v) for t, v in layer.recent if t >= step - o.hold_steps]
         high = sum(v >= o.level for _, v in span)
         if not layer.armed:
-            layer.armed = high <= len(span) / 2
+            newest = span[-o.min_values :]
+            if len(newest) == o.min_values and max(v for _, v in newest) < o.level:
+                # re-armed: the next collapse is judged on values from here on (a full span again)
+                layer.armed, layer.recent, layer.first_step = True, deque(newest), newest[0][0]
             return None
         complete = step - layer.first_step >= o.hold_steps and len(span) >= o.min_values
         if not complete or high < o.held * len(span):

@@ -90,8 +90,8 @@ def test_the_healthy_run_raises_no_moe_event_and_no_warning() -> None:
 def test_a_forced_gate_bias_is_found_as_collapse_at_its_layer_and_step() -> None:
     collapse = found("collapse", "expert_collapse")
     # by hand: every token picks expert 0 from step 100 (MaxVio 3 of 3); the span ending at step s holds
-    # the 11 sampled values s-100..s and 9 of them (80 % of 11 is 8.8) are collapsed at s = 180
-    assert [(e.step, e.where, e.severity) for e in collapse] == [(180, "model.layers.1.mlp", "warning")]
+    # the 21 sampled values s-200..s and 17 of them (80 % of 21 is 16.8) are collapsed at s = 260
+    assert [(e.step, e.where, e.severity) for e in collapse] == [(260, "model.layers.1.mlp", "warning")]
     assert collapse[0].details["busiest_expert"] == 0 and collapse[0].details["since"] == FAULT_FROM
     assert collapse[0].value == pytest.approx(3.0)
 
