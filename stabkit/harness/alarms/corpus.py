@@ -159,6 +159,7 @@ CORPUS: tuple[HealthyConfig, ...] = (
     C("mixtral-l4-zipf-full", "hf_mixtral", depth=4, width=32, kv_heads=2, data="zipf", monitor="full", batch=8, seq=32, steps=400),
     C("mixtral-l2", "hf_mixtral", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, steps=400),
     C("olmoe-l2", "hf_olmoe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, steps=400, tags=CI),
+    C("olmoe-l4-muon", "hf_olmoe", depth=4, width=32, kv_heads=2, optimizer="muon", lr=2e-3, batch=8, seq=32, steps=400),
 )  # fmt: skip
 """The corpus, in a fixed order."""
 
