@@ -39,8 +39,9 @@ def biased_router(router: nn.Module, bias: torch.Tensor, state: dict[str, int]) 
 
 
 @cache
-def run(fault: str) -> tuple[tuple[Any, ...], tuple[tuple[int, dict[str, float]], ...]]:
-    """(events, rows) of one 300-step run with `fault` ('none', 'collapse', 'dead', 'router_z')."""
+def run(fault: str, act: str = "warn") -> tuple[tuple[Any, ...], tuple[tuple[int, dict[str, float]], ...]]:
+    """(events, rows) of one 300-step run with `fault` ('none', 'collapse', 'dead', 'router_z'); `act`:
+    the action on expert collapse (anything but 'warn' decides that kind every step)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         model = build(
@@ -57,21 +58,28 @@ def run(fault: str) -> tuple[tuple[Any, ...], tuple[tuple[int, dict[str, float]]
     elif fault == "dead":
         biased_router(layers[0].mlp.gate, torch.tensor([0.0] * 3 + [-1e4] + [0.0] * 4), state)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    cfg = stabkit.MonitorConfig(tensorboard=False, jsonl=False, console=False, audit=False, history=None)
+    detect = stabkit.DetectConfig(actions={"expert_collapse": act})
+    cfg = stabkit.MonitorConfig(
+        tensorboard=False, jsonl=False, console=False, audit=False, history=None, detect=detect
+    )
     mon = stabkit.attach(model, opt, config=cfg)
     data, gen = load_corpus(), torch.Generator().manual_seed(1)
-    for step in range(STEPS):
-        state["step"] = step
-        x, _ = data.batch("train", 8, 32, gen)
-        loss = model(x, labels=x).loss  # the LM loss plus 0.05 × the model's own balancing loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        mon.step(loss)
-        if fault == "router_z" and step >= FAULT_FROM:
-            with torch.no_grad():
-                layers[1].mlp.gate.weight.mul_(1.05)
-    mon.detach()
+    try:
+        for step in range(STEPS):
+            state["step"] = step
+            x, _ = data.batch("train", 8, 32, gen)
+            loss = model(x, labels=x).loss  # the LM loss plus 0.05 × the model's own balancing loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss)
+            if fault == "router_z" and step >= FAULT_FROM:
+                with torch.no_grad():
+                    layers[1].mlp.gate.weight.mul_(1.05)
+    except stabkit.InstabilityError:  # the 'raise' action: the run stops at its event
+        pass
+    finally:
+        mon.detach()
     return tuple(mon.events), tuple(mon.history)
 
 
@@ -115,3 +123,12 @@ def test_a_growing_router_is_found_as_router_z_drift_at_its_layer() -> None:
         "router_fp32",
     ]
     assert any(e.severity == "warning" for e in drift)
+
+
+def test_decided_every_step_the_collapse_is_found_at_the_same_step() -> None:
+    """An action other than 'warn' judges the kind every step from a small host copy of the counts, not
+    from the log interval's rows: the same event, and 'raise' stops the run there."""
+    events, rows = run("collapse", "raise")
+    collapse = [(e.step, e.where) for e in events if e.kind == "expert_collapse"]
+    assert collapse == [(260, "model.layers.1.mlp")]
+    assert max(step for step, _ in rows) == 260
