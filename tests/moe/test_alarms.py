@@ -1,7 +1,7 @@
 """The MoE detectors on a real tiny Mixtral (top-2 of 8, its balancing loss on) trained on text with
 faults injected mid-run that they must find, each at its layer and step: one expert's gate bias forced
 large (a collapse), an expert's gate bias forced to −1e4 (a planted dead expert), the router's weight
-grown 2 % a step (router log Z drift). The same run without a fault raises none of these kinds and no
+grown 5 % a step (router log Z drift). The same run without a fault raises none of these kinds and no
 warning at all."""
 
 from __future__ import annotations
