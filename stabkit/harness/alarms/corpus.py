@@ -152,8 +152,14 @@ CORPUS: tuple[HealthyConfig, ...] = (
     C("llama-l6-gqa-muon", "hf_llama", depth=6, width=48, kv_heads=2, optimizer="muon", lr=2e-3),
     C("llama-l4-bf16-accum", "hf_llama", depth=4, width=32, kv_heads=1, bf16=True, accum=2, batch=4, seq=32, tags=PLANT),
     C("llama-l2-sgd-zipf", "hf_llama", depth=2, width=32, optimizer="sgd", lr=0.3, data="zipf", clip=1.0),
-    C("qwen2moe-l2", "hf_qwen2_moe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, tags=PLANT),
-    C("qwen2moe-l4-zipf-full", "hf_qwen2_moe", depth=4, width=32, kv_heads=2, data="zipf", monitor="full", batch=4, seq=32),
+    # mixtures of experts with a per-layer balancing loss (families.balancing_loss), 400 steps: long enough
+    # for the MoE detectors' windows (expert collapse holds 200 steps, a dead expert 100)
+    C("qwen2moe-l2", "hf_qwen2_moe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, steps=400, tags=PLANT),
+    C("qwen2moe-l4-zipf-full", "hf_qwen2_moe", depth=4, width=32, kv_heads=2, data="zipf", monitor="full", batch=4, seq=32, steps=400),
+    C("mixtral-l4-zipf-full", "hf_mixtral", depth=4, width=32, kv_heads=2, data="zipf", monitor="full", batch=8, seq=32, steps=400),
+    C("mixtral-l2", "hf_mixtral", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, steps=400),
+    C("olmoe-l2", "hf_olmoe", depth=2, width=32, kv_heads=2, lr=2e-3, batch=8, seq=32, steps=400, tags=CI),
+    C("olmoe-l4-muon", "hf_olmoe", depth=4, width=32, kv_heads=2, optimizer="muon", lr=2e-3, batch=8, seq=32, steps=400),
 )  # fmt: skip
 """The corpus, in a fixed order."""
 

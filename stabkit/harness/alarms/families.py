@@ -1,9 +1,18 @@
 """The model families of the healthy-run corpus, built the way their users build them (no download):
-the reference GPT (`stabkit.harness.models`), Hugging Face GPT-2, Llama (GQA) and Qwen2-MoE from their
-config classes at tiny sizes, `nn.TransformerEncoder` with a causal mask, and `TinyGPT`, a small
-pre-norm GPT written here with PyTorch's default init (what a user's own script looks like).
+the reference GPT (`stabkit.harness.models`), Hugging Face GPT-2, Llama (GQA) and the mixtures of experts
+Qwen2-MoE (top-2 of 4, a shared expert), Mixtral (top-2 of 8) and OLMoE (top-4 of 16) from their config
+classes at tiny sizes, `nn.TransformerEncoder` with a causal mask, and `TinyGPT`, a small pre-norm GPT
+written here with PyTorch's default init (what a user's own script looks like).
 
-Each builder runs once per corpus run, before `stabkit.attach`; `logits_of(model, idx)` is the forward
+The MoE models train as real runs do, with a balancing loss on: they return their router logits
+(``output_router_logits=True``) and the loop adds the Switch / GShard loss E·Σ f_e·P_e of *each layer*
+(`balancing_loss`), times 1e-2 (`MOE_AUX_COEF`: Switch Transformer's, OLMoE's), summed over the layers
+as Megatron-LM and DeepSeek do. Not Hugging Face's own ``aux_loss``: it pools the layers' tokens into
+one global balance, which hides a layer that collapses (Qwen3 #1418) — trained with it (1e-2), tiny
+Mixtral / Qwen2-MoE / OLMoE runs of this corpus collapsed or starved experts in one layer while the
+pooled balance held (`expert_collapse` and `dead_experts` found them: top-2 of 8 at MaxVio 2.9 of 3).
+
+Each builder runs once per corpus run, before `stabkit.attach`; `outputs_of(model, idx)` is the forward
 the training loop calls every step.
 """
 
@@ -16,8 +25,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-FAMILIES: tuple[str, ...] = ("ref_gpt", "tiny_gpt", "torch_encoder", "hf_gpt2", "hf_llama", "hf_qwen2_moe")
+FAMILIES: tuple[str, ...] = (
+    "ref_gpt", "tiny_gpt", "torch_encoder", "hf_gpt2", "hf_llama", "hf_qwen2_moe", "hf_mixtral", "hf_olmoe",
+)  # fmt: skip
 """Family names a `HealthyConfig` may use."""
+
+MOE_FAMILIES: tuple[str, ...] = ("hf_qwen2_moe", "hf_mixtral", "hf_olmoe")
+"""The mixture-of-experts families (each trains with its balancing loss on)."""
+
+MOE_AUX_COEF = 1e-2
+"""The balancing loss's coefficient in the MoE families' training loss (Switch Transformer, OLMoE: 1e-2)."""
 
 
 class TinyBlock(nn.Module):
@@ -130,18 +147,37 @@ def _hf_model(
             num_key_value_heads=kv_heads, max_position_embeddings=context, **common,
         )  # fmt: skip
         model = tf.LlamaForCausalLM(cfg)
-    elif family == "hf_qwen2_moe":
-        cfg = tf.Qwen2MoeConfig(
-            hidden_size=d, intermediate_size=_ff(d), moe_intermediate_size=d,
-            shared_expert_intermediate_size=_ff(d), num_experts=4, num_experts_per_tok=2,
-            num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-            max_position_embeddings=context, **common,
-        )  # fmt: skip
-        model = tf.Qwen2MoeForCausalLM(cfg)
+    elif family in MOE_FAMILIES:
+        model = _hf_moe(family, d, layers, heads, kv_heads, context, common)
+        cfg = model.config
     else:
         raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    model.config.use_cache = False
+    cfg.use_cache = False
     return model
+
+
+def _hf_moe(
+    family: str, d: int, layers: int, heads: int, kv_heads: int, context: int, common: dict[str, Any]
+) -> nn.Module:
+    import transformers as tf
+
+    shape: dict[str, Any] = {
+        "hidden_size": d, "num_hidden_layers": layers, "num_attention_heads": heads,
+        "num_key_value_heads": kv_heads, "max_position_embeddings": context,
+        "output_router_logits": True, **common,
+    }  # fmt: skip
+    cfg: Any
+    if family == "hf_qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(
+            intermediate_size=_ff(d), moe_intermediate_size=d, shared_expert_intermediate_size=_ff(d),
+            num_experts=4, num_experts_per_tok=2, **shape,
+        )  # fmt: skip
+        return tf.Qwen2MoeForCausalLM(cfg)
+    if family == "hf_mixtral":
+        cfg = tf.MixtralConfig(intermediate_size=d, num_local_experts=8, num_experts_per_tok=2, **shape)
+        return tf.MixtralForCausalLM(cfg)
+    cfg = tf.OlmoeConfig(intermediate_size=d // 2, num_experts=16, num_experts_per_tok=4, **shape)
+    return tf.OlmoeForCausalLM(cfg)
 
 
 def _ff(d: int) -> int:
@@ -149,7 +185,26 @@ def _ff(d: int) -> int:
     return int(math.ceil(8 * d / 3 / 8) * 8)
 
 
-def logits_of(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    """The (B, T, V) logits of any corpus model (Hugging Face models return an output object)."""
+def outputs_of(model: nn.Module, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(the (B, T, V) logits, the balancing loss times `MOE_AUX_COEF` — None for a dense model) of any
+    corpus model: what the training loop adds to its cross-entropy."""
     out = model(idx)
-    return out if isinstance(out, torch.Tensor) else out.logits
+    if isinstance(out, torch.Tensor):
+        return out, None
+    routers = getattr(out, "router_logits", None)
+    if not routers:
+        return out.logits, None
+    k = int(getattr(model, "config").num_experts_per_tok)  # noqa: B009 (an HF model's config)
+    total = torch.stack([balancing_loss(r, k) for r in routers]).sum()
+    return out.logits, MOE_AUX_COEF * total
+
+
+def balancing_loss(router_logits: torch.Tensor, top_k: int) -> torch.Tensor:
+    """Switch Transformer's load-balancing loss of one layer: E·Σ_e f_e·P_e, with f_e the share of the
+    layer's top-k choices that went to expert e and P_e its mean router probability (1 when balanced)."""
+    logits = router_logits.float().reshape(-1, router_logits.shape[-1])  # (T, E)
+    n = logits.shape[-1]
+    probs = logits.softmax(-1)
+    chosen = probs.topk(top_k, dim=-1).indices  # (T, k)
+    share = torch.zeros(n, device=logits.device).index_add_(0, chosen.reshape(-1), torch.ones(chosen.numel()))
+    return n * (share / chosen.numel() * probs.mean(0)).sum()

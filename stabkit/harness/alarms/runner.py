@@ -2,7 +2,8 @@
 
 The loop: ``mon = stabkit.attach(model, optimizer, logdir=..., config=...)`` with nothing else passed
 (no learning rate, no warmup), then per optimizer step: zero grads, `accum` micro-batches (forward
-under bf16 autocast when the config says so, ``(loss / accum).backward()``), optional clipping,
+under bf16 autocast when the config says so; a mixture of experts' balancing loss added to the
+cross-entropy, `families.outputs_of`; ``(loss / accum).backward()``), optional clipping,
 ``optimizer.step()``, ``mon.step(loss)``, ``scheduler.step()``; ``mon.detach()`` at the end.
 
 Planted spikes (`Spike`): at a chosen step every micro-batch's loss is multiplied by a factor before
@@ -25,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from .corpus import HealthyConfig
-from .families import build_model, logits_of
+from .families import build_model, outputs_of
 from .inits import apply_init
 from .optim import make_optimizers, make_schedulers
 
@@ -196,8 +197,10 @@ def _train(
         for _ in range(cfg.accum):
             x, y = data.batch("train", cfg.batch, cfg.seq, gen)
             with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cfg.bf16):
-                logits = logits_of(model, x)
+                logits, aux = outputs_of(model, x)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+            if aux is not None:  # a mixture of experts' balancing loss, as its real runs train
+                loss = loss + aux.float()
             if step in factors:
                 loss = loss * factors[step]
             (loss / cfg.accum).backward()

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
+from stabkit.detectors import CollapseOptions, DeadOptions
 from stabkit.harness.alarms.corpus import CORPUS, HealthyConfig, by_name, select
-from stabkit.harness.alarms.families import FAMILIES
+from stabkit.harness.alarms.families import FAMILIES, MOE_FAMILIES, balancing_loss
 from stabkit.harness.alarms.inits import INITS
 from stabkit.harness.alarms.optim import OPTIMIZERS, SCHEDULES, schedule
 
@@ -26,6 +28,31 @@ def test_corpus_is_large_and_varied() -> None:
     assert any(c.kv_heads and c.kv_heads < c.heads for c in CORPUS if c.family == "hf_llama")
     assert all(c.warmup > 0 for c in CORPUS if c.placement == "post")
     assert 4 <= len(select(tag="ci")) <= 6
+    moe = [c for c in CORPUS if c.family in MOE_FAMILIES]
+    assert {c.family for c in moe} == set(MOE_FAMILIES) and any("ci" in c.tags for c in moe)
+    assert {c.monitor for c in moe} == {"default", "full"}
+
+
+def test_moe_runs_last_long_enough_for_the_moe_detectors_to_judge() -> None:
+    """A healthy MoE run shorter than the collapse hold could never raise it: its silence would prove nothing."""
+    hold = CollapseOptions().hold_steps
+    assert all(
+        c.steps >= 2 * hold and c.steps >= 4 * DeadOptions().window
+        for c in CORPUS
+        if c.family in MOE_FAMILIES
+    )
+
+
+def test_balancing_loss_by_hand() -> None:
+    # 4 tokens, 4 experts, top-1: tokens 0-2 pick expert 0 (logit 2), token 3 picks expert 3
+    logits = torch.zeros(4, 4)
+    logits[:3, 0] = 2.0
+    logits[3, 3] = 2.0
+    p = torch.tensor([2.0, 0, 0, 0]).softmax(0)  # a token's probabilities over its experts
+    mean_p = torch.stack([p, p, p, p.flip(0)]).mean(0)
+    share = torch.tensor([0.75, 0, 0, 0.25])
+    assert balancing_loss(logits, 1).item() == pytest.approx(4 * (share * mean_p).sum().item())
+    assert balancing_loss(torch.zeros(6, 8), 2).item() == pytest.approx(1.0)  # uniform: 1 whatever the choice
 
 
 def test_select_and_by_name() -> None:
