@@ -17,6 +17,7 @@ from ..spec.rescue import rescue_quantities
 from ..spec.schema import FaultSpec
 from .clipping import clip_quantities
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
+from .moe_load import moe_quantities
 from .run_result import Measures, RunResult
 
 
@@ -67,6 +68,7 @@ def finish(
         fault=fault_quantities(fault, events, losses) if fault is not None else None,
         depth_grad_ratio=result.depth["depth_grad_ratio"] if result.depth is not None else None,
         clipping=clip_quantities(history, result.steps),
+        moe=moe_quantities(history),
     )
 
 

@@ -43,6 +43,10 @@ RUN_QUANTITIES: dict[str, str] = {
     "qk_clip_quiet_step": "qk_clip: the last step with a clip (quiet after it; missing when none)",
     "qk_clip_max_after_clip": "qk_clip: largest max logit of a head at a step after its first clip (<= tau(1+eps) when the clip holds)",
     "clip_steps": "action clip: steps whose gradients (or update) it clipped",
+    "max_vio": "MoE: the worst layer's MaxVio (max - mean)/mean load, averaged over the last 10 % of the run",
+    "peak_max_vio": "MoE: the largest MaxVio logged (any layer, any step)",
+    "busiest_share": "MoE: the worst layer's busiest-expert share of the token choices over the last 10 % of the run",
+    "dead_experts": "MoE: the most experts one layer had without a token over the last 100 steps, at the end",
 }
 """Per-run quantities a check can name (`events/<kind>` counts events of one kind too)."""
 
