@@ -140,6 +140,9 @@ DETECTORS: Registry[Any] = Registry(
         "update_norm": "stabkit.detectors.update_norm:UpdateNormDetector",
         "outliers": "stabkit.detectors.outliers:OutlierDetector",
         "depth_grad": "stabkit.detectors.depth_grad:DepthGradDetector",
+        "expert_collapse": "stabkit.detectors.moe_collapse:ExpertCollapseDetector",
+        "dead_experts": "stabkit.detectors.moe_dead:DeadExpertsDetector",
+        "router_z": "stabkit.detectors.router_z:RouterZDetector",
     },
     "kind",
 )

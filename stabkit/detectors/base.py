@@ -48,6 +48,18 @@ class BlockInfo:
 
 
 @dataclass(frozen=True)
+class MoELayerInfo:
+    """One mixture-of-experts layer as a detector knows it (from `ModelMap.moe`)."""
+
+    path: str
+    """The MoE layer's module path (its series are ``moe/<path>/...``)."""
+    n_experts: int
+    """E: the experts its router chooses among."""
+    top_k: int
+    """k: experts chosen per token (the busiest expert's share is at most 1/k)."""
+
+
+@dataclass(frozen=True)
 class DetectorContext:
     """The model as names, and the settings: everything a detector may know. Built once at attach
     (`from_model_map`), or by hand in a test."""
@@ -60,6 +72,8 @@ class DetectorContext:
     vocab_size: int | None = None
     warmup_steps: int | None = None
     """The run's LR warmup in steps, when `attach` was told it (None: not known)."""
+    moe_layers: tuple[MoELayerInfo, ...] = ()
+    """The mixture-of-experts layers whose routing the MoE probe measures (empty: a dense model)."""
 
     @classmethod
     def from_model_map(
@@ -74,6 +88,9 @@ class DetectorContext:
             norm_paths=tuple(n.path for b in model_map.blocks for n in b.norms),
             output_head=model_map.output_head,
             vocab_size=model_map.vocab_size,
+            moe_layers=tuple(
+                MoELayerInfo(m.path, m.n_experts, m.top_k) for m in model_map.moe if m.logits is not None
+            ),
         )
 
     @property
@@ -85,6 +102,10 @@ class DetectorContext:
     def log_vocab(self) -> float | None:
         """log V: log Z of all-zero output logits (None when the vocabulary size is unknown)."""
         return math.log(self.vocab_size) if self.vocab_size else None
+
+    def moe_layer(self, path: str) -> MoELayerInfo | None:
+        """The MoE layer at `path`, else None."""
+        return next((m for m in self.moe_layers if m.path == path), None)
 
     def block_of(self, path: str) -> BlockInfo | None:
         """The block that holds module `path` (or is it), else None."""
