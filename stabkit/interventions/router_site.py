@@ -167,6 +167,12 @@ def router_sites(
     """The `RouterSite` of every MoE router of `model` (created and installed on first use; apply
     time). Raises InterventionError naming `name` when the model has no router discovery found, or
     when a router's gate projection is not a parameter stabkit can see."""
+    if any(p.is_meta for p in model.parameters()):
+        # not an InterventionError: nothing says the model cannot take it (a recipe's preflight
+        # builds on the meta device and leaves the check to the worker's real model)
+        raise NotImplementedError(
+            f"{name}: routers are found in a traced forward, which a meta-device model cannot run"
+        )
     mmap = model_map(model, name, override)
     if not mmap.moe:
         raise InterventionError(
