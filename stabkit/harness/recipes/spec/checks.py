@@ -67,6 +67,9 @@ OPS: dict[str, Callable[[float, float], bool]] = {
 }
 AGGS = ("max", "min", "mean", "first", "last")
 VS = ("baseline", "reference", "best")
+VARIANT = "variant:"
+"""``vs = "variant:<name>"`` compares with the variant of that name (checked against the recipe's
+variants when it loads)."""
 HOW = ("diff", "ratio")
 KEYS = ("metric", "op", "value", "agg", "vs", "how")
 
@@ -141,8 +144,10 @@ def parse_check(raw: Any, where: str, sweep: bool = False) -> Check:
     if not history and agg is not None:
         raise RecipeError(f"{where}.agg", f"only for monitored metrics (names with '/'), not {metric!r}")
     vs = raw.get("vs")
-    if vs is not None and vs not in VS:
-        raise RecipeError(f"{where}.vs", f"must be one of {', '.join(VS)}, got {vs!r}")
+    if vs is not None and not (isinstance(vs, str) and (vs in VS or vs.startswith(VARIANT))):
+        raise RecipeError(
+            f"{where}.vs", f"must be one of {', '.join(VS)} or {VARIANT}<name> (a variant), got {vs!r}"
+        )
     how = raw.get("how", "diff")
     if how not in HOW:
         raise RecipeError(f"{where}.how", f"must be one of {', '.join(HOW)}, got {how!r}")
