@@ -13,11 +13,14 @@ import math
 import re
 from typing import Any
 
-MOE_KEYS = ("max_vio", "max_vio_at", "peak_max_vio", "busiest_share", "dead_experts")
+MOE_KEYS = ("max_vio", "max_vio_at", "peak_max_vio", "busiest_share", "dead_experts", "collapse_step")
 """The keys `moe_quantities` returns, in order."""
 
 TAIL = 0.1
 """Share of the run (its last logged rows) a final value is averaged over."""
+COLLAPSED = 0.75
+"""A layer is collapsed at a step where its MaxVio is at least this fraction of its maximum E/k − 1
+(top-2 of 8: 2.25; the ``expert_collapse`` detector's level)."""
 
 _STAT = re.compile(r"^moe/(.+)/(max_vio|busiest_share|dead_experts)$")
 
@@ -37,13 +40,17 @@ def _tail_mean(points: list[tuple[int, float]], last_step: int, span: int) -> fl
     return sum(tail) / len(tail)
 
 
-def moe_quantities(history: list[tuple[int, dict[str, float]]]) -> dict[str, Any] | None:
+def moe_quantities(
+    history: list[tuple[int, dict[str, float]]], top_k: dict[str, tuple[int, int]] | None = None
+) -> dict[str, Any] | None:
     """``max_vio``: the largest over layers of each layer's MaxVio averaged over the last `TAIL` of
     the run's steps (one log row, at least), at ``max_vio_at`` (the layer); ``peak_max_vio``: the
     largest MaxVio logged; ``busiest_share``: the worst layer's busiest-expert share over the same
     tail; ``dead_experts``: the most dead experts a layer had at its last logged row (experts with no
     token in the last `stabkit.moe.probe.DEAD_WINDOW` steps; 0 before a window has passed). None when
-    no MoE statistic was logged."""
+    no MoE statistic was logged. With `top_k` (layer -> (E, k), from the model map): ``collapse_step``,
+    the first logged step at which a layer's MaxVio reached `COLLAPSED` of its maximum E/k − 1 (None:
+    never), where the recipes' lead time counts a collapsed run as lost."""
     vio = _series(history, "max_vio")
     if not vio:
         return None
@@ -59,4 +66,16 @@ def moe_quantities(history: list[tuple[int, dict[str, float]]]) -> dict[str, Any
         "peak_max_vio": max(v for points in vio.values() for _, v in points),
         "busiest_share": max((_tail_mean(p, last, span) for p in shares.values()), default=math.nan),
         "dead_experts": max((p[-1][1] for p in dead.values()), default=0.0),
+        "collapse_step": _collapse_step(vio, top_k or {}),
     }
+
+
+def _collapse_step(vio: dict[str, list[tuple[int, float]]], top_k: dict[str, tuple[int, int]]) -> int | None:
+    steps = []
+    for layer, points in vio.items():
+        if layer not in top_k:
+            continue
+        n, k = top_k[layer]
+        level = COLLAPSED * (n / k - 1)
+        steps += [s for s, v in points if v >= level][:1]
+    return min(steps) if steps else None
