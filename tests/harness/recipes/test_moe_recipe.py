@@ -52,5 +52,5 @@ def test_a_short_run_reproduces_the_collapse_with_a_normal_loss(tmp_path: Path) 
     base = summary.variants["baseline"]
     assert base["status"] == "done"
     assert base["peak_max_vio"] >= 0.75 * 3.0 and base["max_vio_at"].startswith("blocks.")
-    assert base["collapse_step"] is not None and base["collapse_step"] < STEPS
+    assert base["max_vio"] >= 2.0  # still collapsed at the end (the last 10 % of the run)
     assert math.isfinite(base["val_loss"]) and base["val_loss"] < base["initial_loss"] - 2.0

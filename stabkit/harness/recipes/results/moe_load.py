@@ -21,6 +21,9 @@ TAIL = 0.1
 COLLAPSED = 0.75
 """A layer is collapsed at a step where its MaxVio is at least this fraction of its maximum E/k − 1
 (top-2 of 8: 2.25; the ``expert_collapse`` detector's level)."""
+HOLD, HELD = 50, 0.8
+"""A collapse counts when it holds: at least `HELD` of a layer's logged values over `HOLD` steps from its
+start are collapsed (healthy runs pass through a collapse of ~10 steps early on)."""
 
 _STAT = re.compile(r"^moe/(.+)/(max_vio|busiest_share|dead_experts)$")
 
@@ -49,8 +52,8 @@ def moe_quantities(
     tail; ``dead_experts``: the most dead experts a layer had at its last logged row (experts with no
     token in the last `stabkit.moe.probe.DEAD_WINDOW` steps; 0 before a window has passed). None when
     no MoE statistic was logged. With `top_k` (layer -> (E, k), from the model map): ``collapse_step``,
-    the first logged step at which a layer's MaxVio reached `COLLAPSED` of its maximum E/k − 1 (None:
-    never), where the recipes' lead time counts a collapsed run as lost."""
+    the first logged step at which a layer's MaxVio reached `COLLAPSED` of its maximum E/k − 1 and held
+    there (`HOLD`, `HELD`; None: never), where the recipes' lead time counts a collapsed run as lost."""
     vio = _series(history, "max_vio")
     if not vio:
         return None
@@ -77,5 +80,12 @@ def _collapse_step(vio: dict[str, list[tuple[int, float]]], top_k: dict[str, tup
             continue
         n, k = top_k[layer]
         level = COLLAPSED * (n / k - 1)
-        steps += [s for s, v in points if v >= level][:1]
+        last = points[-1][0]
+        for start, value in points:
+            if start + HOLD > last:
+                break
+            span = [v for s, v in points if start <= s <= start + HOLD]
+            if value >= level and sum(v >= level for v in span) >= HELD * len(span):
+                steps.append(start)
+                break
     return min(steps) if steps else None
