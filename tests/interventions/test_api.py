@@ -25,8 +25,15 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         "logit_softcap",
         "norm_placement",
         "rmsnorm",
+        "router_fp32",
+        "router_z_loss",
+        "load_balance_loss",
+        "aux_free_balance",
     }
     assert REGISTRY["z_loss"].defaults == {"coef": 1e-4}
+    assert REGISTRY["router_z_loss"].defaults == {"coef": 1e-3}  # ST-MoE
+    assert REGISTRY["load_balance_loss"].defaults == {"coef": 1e-2}  # Switch
+    assert REGISTRY["aux_free_balance"].defaults == {"gamma": 1e-3}  # DeepSeek-V3
     assert REGISTRY["attn_softcap"].defaults == {"cap": 50.0}
     assert REGISTRY["logit_softcap"].defaults == {"cap": 30.0}
     assert REGISTRY["qk_norm"].defaults["kind"] == "rmsnorm"
@@ -43,6 +50,10 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         "attn_softcap",
         "logit_softcap",
         "z_loss",
+        "router_fp32",
+        "router_z_loss",
+        "load_balance_loss",
+        "aux_free_balance",
     )
 
 
