@@ -67,3 +67,17 @@ def test_a_collapsed_run_is_lost_where_it_collapsed_and_the_warning_s_lead_is_co
     lead = run_lead(0, run, "reproduced", frozenset({"expert_collapse"}))
     assert (lead.lost, lead.warned_at, lead.lead) == (30, 110, -80)
     assert lost_step({**run, "collapse_step": None}) is None
+
+
+def test_the_results_table_shows_maxvio_and_dead_experts_for_a_mixture_of_experts_only() -> None:
+    from stabkit.harness.recipes.results.report import results_rows
+    from stabkit.harness.recipes.results.summary import Summary
+
+    dense = Summary.from_dict({"recipe": "r", "variants": {"baseline": {"val_loss": 2.2}}})
+    assert "MaxVio" not in results_rows(dense)[0]
+    moe = Summary.from_dict(
+        {"recipe": "r", "variants": {"baseline": {"val_loss": 2.2, "max_vio": 2.456, "dead_experts": 1.0}}}
+    )
+    headers, rows = results_rows(moe)
+    cells = dict(zip(headers, rows[0], strict=True))
+    assert (cells["MaxVio"], cells["dead experts"]) == ("2.46", "1")
