@@ -43,7 +43,7 @@ def test_router_logits_are_float32_under_bf16_autocast() -> None:
     inp, logits = gate_call(model, path, x)
     assert logits.dtype == torch.float32
     assert torch.equal(logits, F.linear(inp.detach().float(), weight.detach().float()))
-    assert not torch.equal(logits, F.linear(inp.detach(), weight.detach().bfloat16()).float())
+    assert not torch.equal(logits, F.linear(inp.detach().bfloat16(), weight.detach().bfloat16()).float())
     assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
     handle.remove()
 
