@@ -242,3 +242,18 @@ def test_a_registered_router_is_refused_by_name() -> None:
             apply(model, "load_balance_loss", example=x)
     finally:
         unregister_router(SortRouter)
+
+
+@pytest.mark.parametrize("name", ["gpt-moe", "mixtral", "deepseek-v3"])
+def test_discovery_still_finds_the_routers_with_every_router_intervention_on(name: str) -> None:
+    # the recipes and attach(interventions=) apply first, then the monitor discovers the model
+    model, x = make(name), batch(name)
+    before = [(m.path, m.router, m.n_experts, m.top_k, m.scoring) for m in routers(model, x)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        handle = apply(
+            model, ["router_fp32", "router_z_loss", "load_balance_loss", "aux_free_balance"], example=x
+        )
+        found = stabkit.inspect_model(model, example=tokens(5, batch=2, seq=12)).moe
+    assert [(m.path, m.router, m.n_experts, m.top_k, m.scoring) for m in found] == before
+    handle.remove()
