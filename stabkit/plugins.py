@@ -174,6 +174,10 @@ INTERVENTIONS: Registry[Any] = Registry(
         "attn_softcap": "stabkit.interventions.softcap:AttnSoftcapIntervention",
         "logit_softcap": "stabkit.interventions.softcap:LogitSoftcapIntervention",
         "z_loss": "stabkit.interventions.zloss:ZLossIntervention",
+        "router_fp32": "stabkit.interventions.router_fp32:RouterFP32Intervention",
+        "router_z_loss": "stabkit.interventions.router_loss:RouterZLossIntervention",
+        "load_balance_loss": "stabkit.interventions.router_loss:LoadBalanceIntervention",
+        "aux_free_balance": "stabkit.interventions.aux_free:AuxFreeBalanceIntervention",
     },
     "name",
 )

@@ -4,7 +4,7 @@ On an event whose advice names a fix that can go on mid-run (`midrun_fixes`: the
 interventions with ``midrun = True``, read live from `stabkit.plugins.INTERVENTIONS`), in the step the
 event is decided: restore the newest snapshot taken at or before the step the trouble began (the
 event's ``details["since"]`` when its detector says, else the event's step; like 'rollback';
-snapshots every `DetectConfig.snapshot_every` steps), tell the detectors to forget the steps rolled
+snapshots every `DetectConfig.snapshot_every` steps; none with ``rollback`` False), tell the detectors to forget the steps rolled
 back (`ActionContext.rewound`), switch the fix on (with its plug-in's `midrun_options`, then
 ``fix_options[fix]`` over them, then `match_at_switch`; a fix that acts after optimizer steps —
 ``qk_clip`` — watches the optimizer from then on, its metrics recorded by the monitor), add its new
@@ -107,6 +107,10 @@ class RescueOptions:
     after switching QK-norm on mid-run); 0: none."""
     rewarm_from: float = field(default=0.1, metadata=bounds(lo=0.0, hi=1.0, lo_open=True))
     """The fraction of the schedule's rate the re-warmup starts from."""
+    rollback: bool = True
+    """False: switch the fix on where the run is, without restoring a snapshot — for a fix that is
+    exact at the switch and undoes the trouble from there (``aux_free_balance`` moves a collapsed
+    router back towards balance; rolling back would only throw the steps since away)."""
 
     def __post_init__(self) -> None:
         # the ranges are the fields' `bounds` (checked by DetectConfig); this is the one check they cannot say
@@ -184,7 +188,7 @@ class Rescue(Action):
                 f"not attempted: {why} (advice: {event.details.get('interventions', [])})"
             )
             return False
-        snap = self._roll_back(event)
+        snap = self._roll_back(event) if self.options.rollback else None
         refused: list[str] = []
         for fix in fixes:  # in order of preference; a fix that refuses this model hands on to the next
             record = self._rescue(event, fix, signature, snap, refused)

@@ -17,7 +17,7 @@ from .run_cmd import SHARED_OPTIONS, model_spec
 
 VARIANT_NAMES = ("bare", "default", "full", "anomaly")
 """`stabkit.bench.VARIANTS`, repeated here so that `--help` does not import torch (a test keeps them equal)."""
-SIZES = ("tiny", "small", "gpt2", "1b", "small-step")
+SIZES = ("tiny", "tiny-moe", "small", "gpt2", "1b", "small-step")
 """Sizes `bench` offers: the reference GPT's presets (`stabkit.harness.models.PRESETS`), then the
 bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them equal."""
 

@@ -67,7 +67,11 @@ def non_embedding_params(cfg: GPTConfig) -> int:
     attn = d * q + 2 * d * kv + q * d + bias * (q + 2 * kv + d)
     if cfg.qk_norm:
         attn += 2 * _norm_params(cfg, hd)
+    if cfg.n_experts:  # E experts of width expert_d_ff, and the router's gate (d -> E, no bias)
+        ff = cfg.expert_d_ff or ff
     mlp = (2 if cfg.mlp == "swiglu" else 1) * (d * ff + bias * ff) + ff * d + bias * d
+    if cfg.n_experts:
+        mlp = cfg.n_experts * mlp + d * cfg.n_experts
     norms = (4 if cfg.norm_placement == "sandwich" else 2) * _norm_params(cfg, d)
     return cfg.n_layers * (attn + mlp + norms) + _norm_params(cfg, d)  # + final norm
 

@@ -322,3 +322,23 @@ def test_a_fix_that_refuses_the_model_hands_on_to_the_next_and_training_goes_on(
         "not attempted: every fix it names refused this model (qk_clip: "
     )
     assert reported == [] and list(active_interventions(model)) == ["z_loss"]
+
+
+def test_without_rollback_the_fix_goes_on_where_the_run_is() -> None:
+    model, opt, x = trained(20)
+    action, _ = rescue_with("z_loss", model, opt, x, rollback=False)
+    action.before_update(0)  # a snapshot the rescue could restore
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.01)  # the run moved on since
+    now = {k: v.clone() for k, v in model.state_dict().items()}
+    e = event(20, "z_loss")
+    e.details.update(since=0)
+    assert action.run(e, before_update=False) is False
+    record = e.details["rescue"]
+    assert (
+        record["restored_step"] is None
+        and record["steps_lost"] == 0
+        and "z_loss" in active_interventions(model)
+    )
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in now.items())  # nothing restored

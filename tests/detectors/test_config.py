@@ -108,9 +108,7 @@ def test_options_are_checked_converted_and_cached() -> None:
 def test_advice_uses_registry_names_and_lists_every_row() -> None:
     table = advice_table()
     named = {name for row in table.values() for name in row.interventions}
-    # the MoE fixes' names are allowed until their interventions are registered (then none is)
-    pending = {"router_z_loss", "load_balance_loss", "aux_free_balance", "router_fp32"} - set(ORDER)
-    assert named == set(ORDER) | pending  # every intervention is suggested somewhere, and only real ones
+    assert named == set(ORDER)  # every intervention is suggested somewhere, and only real ones
     text = describe_advice()
     assert all(key in text for key in table) and len(text.splitlines()) == len(table) + 1
 

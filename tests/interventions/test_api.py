@@ -26,8 +26,15 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         "logit_softcap",
         "norm_placement",
         "rmsnorm",
+        "router_fp32",
+        "router_z_loss",
+        "load_balance_loss",
+        "aux_free_balance",
     }
     assert option_defaults(plugin("z_loss")) == {"coef": 1e-4}
+    assert option_defaults(plugin("router_z_loss")) == {"coef": 1e-3}  # ST-MoE
+    assert option_defaults(plugin("load_balance_loss")) == {"coef": 1e-2}  # Switch
+    assert option_defaults(plugin("aux_free_balance")) == {"gamma": 1e-3}  # DeepSeek-V3
     assert option_defaults(plugin("attn_softcap")) == {"cap": 50.0}
     assert option_defaults(plugin("logit_softcap")) == {"cap": 30.0}
     assert option_defaults(plugin("qk_norm"))["kind"] == "rmsnorm"
@@ -44,6 +51,10 @@ def test_registry_lists_every_intervention_with_defaults() -> None:
         "attn_softcap",
         "logit_softcap",
         "z_loss",
+        "router_fp32",
+        "router_z_loss",
+        "load_balance_loss",
+        "aux_free_balance",
     )
 
 

@@ -38,7 +38,19 @@ from stabkit.nonfinite.guard import KeptForward, rng_state
 from stabkit.plugins import INTERVENTIONS
 from stabkit.tables import bounds
 
-BUILTINS = ("rmsnorm", "norm_placement", "qk_clip", "qk_norm", "attn_softcap", "logit_softcap", "z_loss")
+BUILTINS = (
+    "rmsnorm",
+    "norm_placement",
+    "qk_clip",
+    "qk_norm",
+    "attn_softcap",
+    "logit_softcap",
+    "z_loss",
+    "router_fp32",
+    "router_z_loss",
+    "load_balance_loss",
+    "aux_free_balance",
+)
 
 
 @dataclass(frozen=True)
@@ -124,7 +136,18 @@ def test_builtins_are_plugins_in_the_old_order_with_the_old_midrun_fixes() -> No
         assert issubclass(cls, Intervention) and cls.name == name and cls.description
         assert INTERVENTIONS.describe(name).startswith("stabkit.interventions.")
     assert (
-        midrun_fixes() == ("qk_clip", "qk_norm", "attn_softcap", "z_loss", "logit_softcap") == tuple(MIDRUN)
+        midrun_fixes()
+        == (
+            "qk_clip",
+            "qk_norm",
+            "attn_softcap",
+            "z_loss",
+            "logit_softcap",
+            "aux_free_balance",
+            "router_z_loss",
+            "router_fp32",
+        )
+        == tuple(MIDRUN)
     )
     assert RescueOptions().fixes == midrun_fixes()
     assert option_choices(plugin("qk_norm")) == {"kind": ("rmsnorm", "layernorm")}

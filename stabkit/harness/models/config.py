@@ -76,6 +76,20 @@ class GPTConfig:
     """Share the token embedding with the output head."""
     dropout: float = 0.0
     """Dropout on attention weights and sub-layer outputs."""
+    n_experts: int = 0
+    """0: a dense MLP per block; E >= 2: a mixture of E experts (each an MLP of `mlp` kind and
+    `expert_d_ff` width) behind a top-k softmax router (`stabkit.harness.models.moe`), no balancing
+    loss (switch one on with the ``load_balance_loss`` / ``aux_free_balance`` interventions)."""
+    top_k: int = 2
+    """k: experts each token goes to (MoE only); the chosen softmax probabilities, renormalised to sum 1,
+    weigh their outputs."""
+    capacity_factor: float | None = None
+    """MoE only. None: every token reaches its k experts; c: each expert takes at most
+    ceil(c·tokens·k/E) token slots per forward (first choices first, then in token order) and the
+    rest are dropped (their slot adds nothing; the residual carries the token), as expert-parallel
+    training does."""
+    expert_d_ff: int | None = None
+    """Hidden width of each expert; None means the dense MLP's (`ff_width`)."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "context", "d_model", "n_layers", "n_heads"):
@@ -102,6 +116,21 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be None or a positive number, got {value!r}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"GPTConfig.dropout must be in [0, 1), got {self.dropout!r}")
+        if self.n_experts != 0 and not (isinstance(self.n_experts, int) and self.n_experts >= 2):
+            raise ValueError(
+                f"GPTConfig.n_experts must be 0 (dense MLP) or an integer >= 2, got {self.n_experts!r}"
+            )
+        if self.n_experts and not (isinstance(self.top_k, int) and 1 <= self.top_k < self.n_experts):
+            raise ValueError(
+                f"GPTConfig.top_k must be an integer in [1, n_experts={self.n_experts}), got {self.top_k!r}"
+            )
+        cf = self.capacity_factor
+        if cf is not None and not (isinstance(cf, int | float) and cf > 0 and math.isfinite(cf)):
+            raise ValueError(f"GPTConfig.capacity_factor must be None or a positive number, got {cf!r}")
+        if self.expert_d_ff is not None and self.expert_d_ff < 1:
+            raise ValueError(
+                f"GPTConfig.expert_d_ff must be None or a positive integer, got {self.expert_d_ff!r}"
+            )
         if self.d_ff is not None and self.d_ff < 1:
             raise ValueError(f"GPTConfig.d_ff must be None or a positive integer, got {self.d_ff!r}")
 

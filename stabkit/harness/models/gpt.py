@@ -3,7 +3,8 @@
 Module names are stable (discovery and interventions rely on them):
 ``tok_emb``, ``pos_emb`` (learned positions only), ``blocks.{i}.norm1``, ``blocks.{i}.attn``
 (``q_proj``, ``k_proj``, ``v_proj``, ``o_proj``, optional ``q_norm``/``k_norm``),
-``blocks.{i}.norm2``, ``blocks.{i}.mlp`` (``fc``, optional ``gate``, ``proj``), sandwich-only
+``blocks.{i}.norm2``, ``blocks.{i}.mlp`` (``fc``, optional ``gate``, ``proj``; with ``n_experts`` a
+`stabkit.harness.models.moe.MoE`: ``router.gate``, ``experts.{e}``), sandwich-only
 ``blocks.{i}.post_norm1``/``post_norm2``, ``final_norm``, ``head``.
 """
 
@@ -19,6 +20,7 @@ from torch import nn
 from ...discovery.families import STABKIT_GPT
 from .config import GPTConfig
 from .layers import MLP, Attention, make_norm, softcap
+from .moe import MoE
 
 
 class Block(nn.Module):
@@ -34,7 +36,7 @@ class Block(nn.Module):
         self.norm1 = make_norm(cfg)
         self.attn = Attention(cfg)
         self.norm2 = make_norm(cfg)
-        self.mlp = MLP(cfg)
+        self.mlp: nn.Module = MoE(cfg) if cfg.n_experts else MLP(cfg)
         self.post_norm1 = make_norm(cfg) if cfg.norm_placement == "sandwich" else None
         self.post_norm2 = make_norm(cfg) if cfg.norm_placement == "sandwich" else None
         self.drop = nn.Dropout(cfg.dropout)

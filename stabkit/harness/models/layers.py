@@ -138,9 +138,9 @@ def eager_attention(
 class MLP(nn.Module):
     """GELU MLP (fc → gelu → proj) or SwiGLU (silu(gate) · fc → proj)."""
 
-    def __init__(self, cfg: GPTConfig) -> None:
+    def __init__(self, cfg: GPTConfig, width: int | None = None) -> None:
         super().__init__()
-        hidden = cfg.ff_width
+        hidden = width or cfg.ff_width
         self.gated = cfg.mlp == "swiglu"
         self.fc = nn.Linear(cfg.d_model, hidden, bias=cfg.bias)
         self.gate = nn.Linear(cfg.d_model, hidden, bias=cfg.bias) if self.gated else None

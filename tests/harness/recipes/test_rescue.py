@@ -18,8 +18,17 @@ from stabkit.harness.recipes.spec.rescue import RESCUE_TOLERANCE, rescue_kinds, 
 def test_rescue_kinds_are_those_whose_advice_names_a_midrun_fix() -> None:
     # loss spikes advise rollback / a lower LR, post-norm growth a norm placement, update-norm spikes
     # a lower LR and clipping, depth imbalance a warmup: nothing mid-run; massive activations and sink
-    # growth (outliers) advise attn_softcap / qk_norm, which can go on mid-run
-    assert rescue_kinds() == ("nonfinite", "drift", "attn_entropy", "outliers")
+    # growth (outliers) advise attn_softcap / qk_norm, which can go on mid-run; a collapsing router or
+    # dead experts advise aux_free_balance, a drifting router z router_z_loss (mid-run fixes too)
+    assert rescue_kinds() == (
+        "nonfinite",
+        "drift",
+        "attn_entropy",
+        "outliers",
+        "expert_collapse",
+        "dead_experts",
+        "router_z",
+    )
 
 
 def test_a_rescue_variant_trains_the_baselines_settings_with_the_action_rescue() -> None:

@@ -19,6 +19,8 @@ MEANINGS: dict[str, str] = {
     "max logZ": "largest log Z of the output logits logged (logits/logz_max)",
     "mean|logZ|": "mean |log Z| on the held-out batches after training",
     "mean logit": "mean output logit on the held-out batches after training",
+    "MaxVio": "mixture of experts: (max - mean)/mean tokens per expert of the worst layer, last 10 % of the run (0 balanced; E/k - 1: every token on the same k experts)",
+    "dead experts": "mixture of experts: the most experts one layer had without a token over the last 100 steps, at the end",
     "first event": "kind@step of the first event the detectors reported",
     "above bigram": "whether the held-out loss ended non-finite or no better than a bigram model's",
     "verdict": "what the recipe's checks concluded for the variant",

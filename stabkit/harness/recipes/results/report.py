@@ -206,7 +206,9 @@ def results_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
 
     The column says what it measures rather than "diverged": a variant can end a little above the
     bigram level and still be within its fixed checks' tolerance of the reference (the tiny model's
-    reachable loss is only ~0.2 below that level), and a row never reads "diverged yes" and "fixed"."""
+    reachable loss is only ~0.2 below that level), and a row never reads "diverged yes" and "fixed".
+    A mixture of experts adds MaxVio and dead experts (the worst layer, `moe_load`) before the first event."""
+    moe = any("max_vio" in r for r in summary.variants.values())
     headers = [
         "variant",
         "final",
@@ -216,6 +218,7 @@ def results_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
         "max logZ",
         "mean|logZ|",
         "mean logit",
+        *(["MaxVio", "dead experts"] if moe else []),
         "first event",
         "above bigram",
         "verdict",
@@ -235,8 +238,8 @@ def results_rows(summary: Summary) -> tuple[list[str], list[list[str]]]:
             logit += f" (capped {big(r['max_attn_logit_capped'])})"
         rows.append([
             name, num(r.get("final_loss")), num(r.get("best_loss")), num(r.get("val_loss")), logit,
-            big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), num(r.get("mean_logit"), 2), first,
-            above, verdict,
+            big(r.get("max_logz")), num(r.get("mean_abs_logz"), 2), num(r.get("mean_logit"), 2),
+            *([num(r.get("max_vio"), 2), num(r.get("dead_experts"), 0)] if moe else []), first, above, verdict,
         ])  # fmt: skip
     return headers, rows
 

@@ -17,6 +17,7 @@ from ..spec.rescue import rescue_quantities
 from ..spec.schema import FaultSpec
 from .clipping import clip_quantities
 from .measures import aggregate, best_smoothed, bigram_loss, monitored, tail_mean
+from .moe_load import moe_quantities
 from .run_result import Measures, RunResult
 
 
@@ -67,7 +68,19 @@ def finish(
         fault=fault_quantities(fault, events, losses) if fault is not None else None,
         depth_grad_ratio=result.depth["depth_grad_ratio"] if result.depth is not None else None,
         clipping=clip_quantities(history, result.steps),
+        moe=moe_quantities(history, _moe_layers(mon)),
     )
+
+
+def _moe_layers(mon: Monitor | None) -> dict[str, tuple[int, int]]:
+    """MoE layer path -> (E, k), from the monitor's model map (empty without one)."""
+    if mon is None:
+        return {}
+    try:
+        layers = mon.model_map.moe
+    except RuntimeError:  # no map yet (discovery waited for a forward that never came)
+        return {}
+    return {m.path: (m.n_experts, m.top_k) for m in layers}
 
 
 def fault_quantities(fault: FaultSpec, events: list[dict[str, Any]], losses: list[float]) -> dict[str, float]:

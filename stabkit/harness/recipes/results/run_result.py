@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from ...training import Heldout
 from .clipping import CLIP_KEYS
+from .moe_load import MOE_KEYS
 
 Status = Literal["running", "done", "stopped", "failed", "interrupted", "not run"]
 """running (not ended yet), done (trained every step), stopped (stabkit stopped it on purpose:
@@ -76,6 +77,8 @@ class Measures:
     """The depth sweep's ratio (recipes with [depth])."""
     clipping: dict[str, Any] | None = None
     """`clip_quantities` (runs with ``qk_clip`` or the action ``clip``)."""
+    moe: dict[str, Any] | None = None
+    """`moe_quantities` (models with a mixture-of-experts router)."""
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -98,6 +101,8 @@ class Measures:
             out["depth_grad_ratio"] = self.depth_grad_ratio
         if self.clipping is not None:
             out.update(self.clipping)
+        if self.moe is not None:
+            out.update(self.moe)
         out["aggregates"] = self.aggregates
         return out
 
@@ -119,16 +124,18 @@ class Measures:
             fault={k: data[k] for k in FAULT_KEYS} if "fault_step" in data else None,
             depth_grad_ratio=data.get("depth_grad_ratio"),
             clipping={k: data[k] for k in CLIP_KEYS if k in data} or None,
+            moe={k: data[k] for k in MOE_KEYS if k in data} or None,
         )
 
     @classmethod
     def keys_of(cls, data: dict[str, Any]) -> set[str]:
         """The keys of `data` that belong to its measures."""
-        own = {*cls.__dataclass_fields__, *RESCUE_KEYS, *FAULT_KEYS, *CLIP_KEYS} - {
+        own = {*cls.__dataclass_fields__, *RESCUE_KEYS, *FAULT_KEYS, *CLIP_KEYS, *MOE_KEYS} - {
             "event_counts",
             "rescue",
             "fault",
             "clipping",
+            "moe",
         }
         return {k for k in data if k in own or k.startswith("events/")}
 

@@ -23,13 +23,16 @@ from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..spec.checks import Check
+from ..spec.checks import VARIANT, Check
 from ..spec.rescue import RESCUE_TOLERANCE
 
 REPRODUCED, NOT_REPRODUCED = "reproduced", "not reproduced"
 FIXED, NOT_FIXED, NOT_AT_SIZE = "fixed", "not fixed", "not reproduced at this size"
 UNDETERMINED, REFERENCE = "undetermined", "reference"
 RESCUED, NOT_RESCUED, NO_RESCUE = "rescued", "not rescued", "no rescue happened"
+SHOWN, NOT_SHOWN = "shown", "not shown"
+"""A contrast variant's verdict (role ``contrast``: the baseline under other settings, showing what the
+instability costs there): its own checks (its ``mechanism`` table) all pass, or one fails."""
 CAVEAT = "*"
 """Marks a verdict (`FIXED_CAVEAT`, `RESCUED_CAVEAT`) whose outcome checks pass while one of the
 variant's own mechanism checks fails or could not be measured."""
@@ -107,8 +110,13 @@ def measure(
             finite = [v for v in values if math.isfinite(v)]
             other = min(finite) if finite else math.nan
         else:
-            names = [n for n, role in roles.items() if role == check.vs and n in results]
-            other = quantity(results[names[0]], check) if names else math.nan
+            named = check.vs[len(VARIANT) :] if check.vs.startswith(VARIANT) else None
+            names = (
+                [named]
+                if named is not None
+                else [n for n, role in roles.items() if role == check.vs and n in results]
+            )
+            other = quantity(results[names[0]], check) if names and names[0] in results else math.nan
         if math.isnan(other):
             return CheckResult(check.describe(), None, None, f"no {check.vs} value to compare with")
         if check.how == "ratio":
@@ -175,6 +183,10 @@ def judge(
             out[name] = Verdict(name, role, base_verdict, checks, mech)
         elif role == "reference":
             out[name] = Verdict(name, role, REFERENCE, [], mech)
+        elif role == "contrast":
+            ok = _all(mech)
+            shown = UNDETERMINED if ok is None else (SHOWN if ok else NOT_SHOWN)
+            out[name] = Verdict(name, role, shown, mech, [])
         else:
             checks = [measure(c, name, done, roles) for c in fixed.get(name, ())]
             ok = _all(checks)

@@ -5,7 +5,10 @@ with known answers.
 
 Definitions (per run; steps are 0-based optimizer steps, as the monitor numbers its events):
 
-- **lost**: the first step whose training loss is not finite; else, for a run that ends at or above
+- **lost**: the first step whose training loss is not finite; else, for a mixture of experts, the
+  first step a layer's router collapsed (``collapse_step``, `stabkit.harness.recipes.results.moe_load`:
+  the loss does not show a collapse, so the router's load says when the run went wrong); else, for a
+  run that ends at or above
   the bigram level (``val_loss >= bigram_loss``, the CPU proxy's "diverged"), a point of its
   held-out curve (``val_curve``: ``[steps done, loss]``; steps done ``n`` means the loss after step
   ``n - 1``):
@@ -46,6 +49,9 @@ def lost_step(result: dict[str, Any], reference: dict[str, Any] | None = None) -
     nonfinite = result.get("first_nonfinite_step", math.nan)
     if isinstance(nonfinite, (int, float)) and math.isfinite(nonfinite):
         return int(nonfinite)
+    collapse = result.get("collapse_step")
+    if isinstance(collapse, int | float) and math.isfinite(collapse):
+        return int(collapse)
     bigram = float(result.get("bigram_loss", math.nan))
     val = float(result.get("val_loss", math.nan))
     if math.isfinite(val) and not val >= bigram:

@@ -43,6 +43,10 @@ RUN_QUANTITIES: dict[str, str] = {
     "qk_clip_quiet_step": "qk_clip: the last step with a clip (quiet after it; missing when none)",
     "qk_clip_max_after_clip": "qk_clip: largest max logit of a head at a step after its first clip (<= tau(1+eps) when the clip holds)",
     "clip_steps": "action clip: steps whose gradients (or update) it clipped",
+    "max_vio": "MoE: the worst layer's MaxVio (max - mean)/mean load, averaged over the last 10 % of the run",
+    "peak_max_vio": "MoE: the largest MaxVio logged (any layer, any step)",
+    "busiest_share": "MoE: the worst layer's busiest-expert share of the token choices over the last 10 % of the run",
+    "dead_experts": "MoE: the most experts one layer had without a token over the last 100 steps, at the end",
 }
 """Per-run quantities a check can name (`events/<kind>` counts events of one kind too)."""
 
@@ -63,6 +67,9 @@ OPS: dict[str, Callable[[float, float], bool]] = {
 }
 AGGS = ("max", "min", "mean", "first", "last")
 VS = ("baseline", "reference", "best")
+VARIANT = "variant:"
+"""``vs = "variant:<name>"`` compares with the variant of that name (checked against the recipe's
+variants when it loads)."""
 HOW = ("diff", "ratio")
 KEYS = ("metric", "op", "value", "agg", "vs", "how")
 
@@ -137,8 +144,10 @@ def parse_check(raw: Any, where: str, sweep: bool = False) -> Check:
     if not history and agg is not None:
         raise RecipeError(f"{where}.agg", f"only for monitored metrics (names with '/'), not {metric!r}")
     vs = raw.get("vs")
-    if vs is not None and vs not in VS:
-        raise RecipeError(f"{where}.vs", f"must be one of {', '.join(VS)}, got {vs!r}")
+    if vs is not None and not (isinstance(vs, str) and (vs in VS or vs.startswith(VARIANT))):
+        raise RecipeError(
+            f"{where}.vs", f"must be one of {', '.join(VS)} or {VARIANT}<name> (a variant), got {vs!r}"
+        )
     how = raw.get("how", "diff")
     if how not in HOW:
         raise RecipeError(f"{where}.how", f"must be one of {', '.join(HOW)}, got {how!r}")

@@ -16,7 +16,7 @@ from ...models import PRESETS, GPTConfig
 from ...models.spec import ModelSpec, ModelSpecError, parse_model_spec
 from ...training import TrainConfig
 from .arch import Adaptation
-from .checks import Check, parse_checks
+from .checks import VARIANT, Check, parse_checks
 from .errors import RecipeError
 from .fields import boolean, choice, string, table
 from .rescue import RESCUE_TOLERANCE, with_rescue
@@ -36,7 +36,7 @@ from .schema import (
     train_defaults,
 )
 
-ROLES = ("baseline", "intervention", "reference", "rescue")
+ROLES = ("baseline", "intervention", "reference", "rescue", "contrast")
 TOP_KEYS = (
     "name", "description", "references", "size", "model", "data", "train", "monitor", "detect",
     "fault", "depth", "sweep", "variants", "criteria", "sizes",
@@ -71,7 +71,9 @@ class VariantSpec:
     name: str
     role: str
     """baseline (shows the instability), intervention (should fix it), reference (e.g. a safe LR),
-    rescue (the baseline with stabkit allowed to act: action 'rescue', `stabkit.harness.recipes.rescue`)."""
+    rescue (the baseline with stabkit allowed to act: action 'rescue', `stabkit.harness.recipes.rescue`),
+    contrast (the baseline under other settings, showing what the instability costs there: judged by
+    its own ``mechanism`` checks, "shown" / "not shown")."""
     train: TrainConfig
     """The recipe's training settings with this variant's overrides."""
     description: str = ""
@@ -349,8 +351,14 @@ def _check_references(recipe: Recipe) -> None:
     ]
     for v in recipe.variants:
         groups += [(f"variants.{v.name}.fixed", v.fixed or []), (f"variants.{v.name}.mechanism", v.mechanism)]
+    names = {v.name for v in recipe.variants}
     for where, checks in groups:
         for c in checks:
+            if c.vs is not None and c.vs.startswith(VARIANT) and c.vs[len(VARIANT) :] not in names:
+                raise RecipeError(
+                    f"{where}.vs",
+                    f"names no variant of this recipe ({', '.join(sorted(names))}), got {c.vs!r}",
+                )
             if c.vs == "reference" and not has_ref:
                 raise RecipeError(where, "compares with vs = 'reference' but no variant has role reference")
             if c.metric == "depth_grad_ratio" and recipe.depth is None:

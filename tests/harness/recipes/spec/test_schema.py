@@ -120,7 +120,11 @@ def test_steps_override_scales_the_fault_and_caps_warmup() -> None:
             "criteria.reproduced[0].metric",
             "max_attn_logit",
         ),
-        (BASE.replace("[sizes.gpt2]", "[sizes.huge]"), "sizes.huge", "allowed: tiny, small, gpt2, 1b"),
+        (
+            BASE.replace("[sizes.gpt2]", "[sizes.huge]"),
+            "sizes.huge",
+            "allowed: tiny, tiny-moe, small, gpt2, 1b",
+        ),
         (BASE + "\n[model]\nd_modle = 3\n", "model.d_modle", "d_model"),
         (BASE + "\n[model]\nn_heads = 5\n", "model.n_heads", "must divide d_model"),
         (BASE.replace("lr = 0.1", 'lr = 0.1\nprecision = "fp8"'), "train.precision", "fp32, bf16, fp16"),
@@ -175,7 +179,7 @@ def test_bad_values_name_the_key_and_what_is_allowed(
 
 
 def test_unknown_size_and_missing_file_and_bad_syntax(tmp_path: Path) -> None:
-    with pytest.raises(RecipeError, match="size: must be one of tiny, small, gpt2, 1b"):
+    with pytest.raises(RecipeError, match="size: must be one of tiny, tiny-moe, small, gpt2, 1b"):
         load_recipe(write(tmp_path, BASE), "huge")
     with pytest.raises(FileNotFoundError, match="attention-logit-growth"):
         load_recipe(tmp_path / "nope.toml")
