@@ -28,10 +28,15 @@ CLIP = 0.5
 CONFIG = dict(every=1, log_every=3, console=False, audit=False)
 
 
-def make_model() -> nn.Module:
-    """The tiny reference GPT, the same weights on every process."""
+MOE = dict(n_experts=4, top_k=2)
+"""The mixture-of-experts variant of the reference GPT (the 'ddp_moe' scenario)."""
+
+
+def make_model(moe: bool = False) -> nn.Module:
+    """The tiny reference GPT (with `moe`, its MLPs a top-2 of 4 mixture), the same weights on every
+    process."""
     torch.manual_seed(0)
-    return reference_gpt()
+    return reference_gpt(**MOE) if moe else reference_gpt()
 
 
 def train(
@@ -58,9 +63,9 @@ def train(
     return losses
 
 
-def single_process_rows(logdir: str, **overrides: object) -> dict[int, dict[str, float]]:
+def single_process_rows(logdir: str, moe: bool = False, **overrides: object) -> dict[int, dict[str, float]]:
     """Run the reference on one process (whole batch) and return its logged rows by step."""
-    model = make_model()
+    model = make_model(moe)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     config = stabkit.MonitorConfig(**{**CONFIG, **overrides})  # type: ignore[arg-type]
     mon = stabkit.attach(model, opt, logdir=logdir, config=config)

@@ -4,6 +4,7 @@ Usage: python -m torch.distributed.run --standalone --nproc_per_node 2 train.py 
 
 Scenarios:
 - ddp: DistributedDataParallel, stabkit attached to the DDP wrapper;
+- ddp_moe: the same on the reference GPT with mixture-of-experts MLPs (routers found, loads summed);
 - fsdp: FSDP2 `fully_shard` on every block and on the root;
 - nan: FSDP2 with the detectors' non-finite action "skip"; at step NAN_STEP rank 1 writes a NaN
   into its own shard of one gradient, so only rank 1 sees it unless the decision is agreed;
@@ -51,12 +52,15 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def run_training(scenario: str, out: str, rank: int, rows: slice) -> dict:
-    model = make_model()
+    model = make_model(moe=scenario == "ddp_moe")
     facts: dict = {"changed": [], "finite_end": None}
-    if scenario == "ddp":
+    if scenario in ("ddp", "ddp_moe"):
         from torch.nn.parallel import DistributedDataParallel
 
-        wrapped: torch.nn.Module = DistributedDataParallel(model)
+        # a rank's tokens may pick no token for an expert: its weights then get no gradient there
+        wrapped: torch.nn.Module = DistributedDataParallel(
+            model, find_unused_parameters=scenario == "ddp_moe"
+        )
     else:
         shard(model)
         wrapped = model

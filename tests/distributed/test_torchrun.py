@@ -24,7 +24,8 @@ HERE = Path(__file__).parents[1]  # tests/
 WORKER = HERE / "dist_workers" / "train.py"
 sys.path.insert(0, str(HERE / "dist_workers"))
 
-from common import CLIP, STEPS, single_process_rows  # noqa: E402
+from common import CLIP, GLOBAL_BATCH, STEPS, single_process_rows  # noqa: E402
+from zoo import SEQ  # noqa: E402
 
 pytestmark = [
     pytest.mark.skipif(not dist.is_available(), reason="torch built without torch.distributed"),
@@ -75,6 +76,33 @@ def test_ddp_grad_norms_equal_single_process(tmp_path: Path) -> None:
     ranks = torchrun("ddp", tmp_path / "ddp")
     assert [r["mode"] for r in ranks] == ["replicated", "replicated"]
     check_against_single(ranks, tmp_path / "ddp" / "run", tmp_path / "single")
+
+
+def test_ddp_moe_router_statistics_equal_single_process(tmp_path: Path) -> None:
+    """Loads are counted per rank and summed before MaxVio, CV, busiest share and dead experts are
+    taken; entropy, margin and router log Z reduce like the other statistics: every moe/ value on
+    2 ranks equals one process on the whole batch."""
+    ranks = torchrun("ddp_moe", tmp_path / "ddp_moe")
+    assert [r["mode"] for r in ranks] == ["replicated", "replicated"]
+    assert ranks[1]["history"] == ranks[0]["history"]
+    history = {int(step): values for step, values in ranks[0]["history"]}
+    reference = single_process_rows(str(tmp_path / "single"), moe=True)
+    compared = 0
+    for step, ref in reference.items():
+        moe = {n: v for n, v in ref.items() if n.startswith("moe/")}
+        assert {n for n in history[step] if n.startswith("moe/")} == set(moe), step
+        loads = [v for n, v in moe.items() if "/load" in n and n.rsplit("/", 1)[-1].startswith("load[")]
+        assert sum(loads) == 2 * 2 * GLOBAL_BATCH * SEQ, (step, loads)  # top-2 of 4, 2 layers, every token
+        for name, want in moe.items():
+            got = history[step][name]
+            assert (math.isnan(got) and math.isnan(want)) or rel(got, want, 1e-6) <= 1e-5, (
+                step,
+                name,
+                got,
+                want,
+            )
+            compared += 1
+    assert compared >= 20 * STEPS
 
 
 def test_fsdp2_per_block_and_global_norms_equal_unsharded(tmp_path: Path) -> None:
