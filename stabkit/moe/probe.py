@@ -16,8 +16,9 @@ gives the batch's load; under expert parallelism the router still runs on each r
 before the all-to-all, and the same holds. Under FSDP2 discovery traces no forward (sharded
 parameters): inspect the model before ``fully_shard`` and pass that map to `attach`.
 
-Under ``torch.compile`` the hooks measure nothing yet (a traced hook returns at once): the statistics are
-eager-only until they get an opaque op and packed records like the other probes (`stabkit.stats.opaque`).
+Under ``torch.compile`` the router hook is traced into the model's graph as one opaque op
+(`stabkit.moe.compiled`: the same statistics, gated at run time; one graph, no break) and the aux loss as
+a graph op; the load ratios are taken on the host from the summed counts as in eager mode.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from torch import nn
 
 from ..plugins import PROBES
 from ..probes.base import Probe, ProbeContext, guarded
+from .compiled import SCORINGS, packed_combines, packed_reductions
 from .finish import LoadFinisher, load_name
 from .map import MoEMap
 from .stats import MAXES, MEANS, routing_stats
@@ -54,6 +56,9 @@ class _Layer:
         self.logits = moe.logits
         same = moe.indices is not None and moe.indices.path == moe.logits.path
         self.indices = moe.indices if same else None
+        self.packed_names = (*self.load_names, *self.mean_names, *self.max_names)
+        self.combines = packed_combines(moe.n_experts)
+        self.reductions = packed_reductions(moe.n_experts)
 
 
 @PROBES.register
@@ -78,8 +83,6 @@ class MoEProbe(Probe):
     def _hook(self, layer: _Layer, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
-        if torch.compiler.is_compiling():  # not yet traced into compiled graphs (see the module docstring)
-            return
         if self.enabled and ctx.sampled() and ctx.training_forward(module):
             self._measure(layer, output)
 
@@ -93,6 +96,17 @@ class MoEProbe(Probe):
             raise TypeError(f"the router's output has no logits at {layer.logits}")
         indices = layer.indices.take(output) if layer.indices is not None else None
         moe = layer.moe
+        if torch.compiler.is_compiling():  # one opaque op, gated at run time (`stabkit.moe.compiled`)
+            logits, scoring = logits.detach(), SCORINGS.index(moe.scoring)
+            index = indices.detach() if indices is not None else None
+            values, every = ctx.compiled_values(
+                None,
+                lambda gate, every: torch.ops.stabkit.moe_stats(
+                    logits, index, layer.bias, moe.n_experts, moe.top_k, scoring, gate, every
+                ),
+            )
+            ctx.recorder.add_packed(layer.packed_names, layer.combines, layer.reductions, values, every)
+            return
         load, means, maxes = routing_stats(logits, indices, moe.n_experts, moe.top_k, moe.scoring, layer.bias)
         rec = ctx.recorder
         rec.add_vector(layer.load_names, load, combine="sum", reduction="sum")
@@ -102,8 +116,6 @@ class MoEProbe(Probe):
     def _aux_hook(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx
         assert ctx is not None
-        if torch.compiler.is_compiling():
-            return
         aux = getattr(output, "aux_loss", None)
         if isinstance(aux, torch.Tensor) and self.enabled and ctx.sampled() and ctx.training_forward(module):
             ctx.recorder.add("moe/aux_loss", aux.detach(), combine="mean", reduction="mean")

@@ -26,7 +26,42 @@ import stabkit
 import stabkit.probes.phase as phase
 from stabkit.detectors import DetectConfig
 
-BUILDERS: dict[str, Callable[[], nn.Module]] = {"reference": reference_gpt, "hf_llama": hf_llama}
+
+class DenseMoE(nn.Module):
+    """Top-2 of 4 experts computed densely (every expert on every token, weighted by the routing mask):
+    a mixture Dynamo traces without a break (token dispatch by `nonzero` breaks the graph)."""
+
+    def __init__(self, d: int, experts: int = 4, k: int = 2) -> None:
+        super().__init__()
+        self.k = k
+        self.gate = nn.Linear(d, experts, bias=False)
+        self.experts = nn.ModuleList(
+            nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d)) for _ in range(experts)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = self.gate(x).softmax(-1)
+        top = probs.topk(self.k, dim=-1)
+        weights = torch.zeros_like(probs).scatter(-1, top.indices, top.values)
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            out = out + weights[..., e : e + 1] * expert(x)
+        return out
+
+
+def dense_moe_gpt() -> nn.Module:
+    """The reference GPT with `DenseMoE` MLPs (the MoE probe's opaque op, one per router)."""
+    model = reference_gpt()
+    for block in model.blocks:  # type: ignore[union-attr]
+        block.mlp = DenseMoE(model.config.d_model)  # type: ignore[union-attr]
+    return model
+
+
+BUILDERS: dict[str, Callable[[], nn.Module]] = {
+    "reference": reference_gpt,
+    "hf_llama": hf_llama,
+    "dense_moe": dense_moe_gpt,
+}
 
 
 @pytest.fixture(autouse=True)
@@ -70,6 +105,7 @@ def stabkit_ops(graphs: list[Any]) -> int:
         ("hf_llama", "default", True),
         ("hf_llama", "full", True),
         ("reference", "default", False),
+        ("dense_moe", "default", True),
     ],
     indirect=["gated"],
 )
@@ -154,6 +190,8 @@ def assert_same_rows(
         ("reference", "full", 1, True),
         ("hf_llama", "default", 1, True),
         ("reference", "default", 2, False),
+        ("dense_moe", "default", 2, True),
+        ("dense_moe", "default", 1, False),
     ],
     indirect=["gated"],
 )
@@ -164,6 +202,7 @@ def test_compiled_statistics_equal_eager(family: str, name: str, micro_batches: 
     losses, rows, graphs = train(family, cfg, steps, "aot_eager", micro_batches)
     assert losses == eager_losses  # observation only: the training is bit for bit the same
     assert any(k.startswith("attn/") for k in rows[0]) and any(k.startswith("act/") for k in rows[0])
+    assert family != "dense_moe" or "moe/blocks.1.mlp/max_vio" in rows[0]
     assert_same_rows(rows, eager_rows, rel=1e-6)
     assert graphs[-1] == graphs[1]  # no graph after the first sampling cycle (every 2)
 
