@@ -60,9 +60,11 @@ class NonfiniteWatch(DeviceChecks):
         """Replays re-run forward/backward on this rank alone, which a distributed job cannot do."""
         self.muted = ctx.muted
         every = options.optimizer_check_every
-        if every is None:  # every step when a non-finite update must be acted on, else on sampled steps
+        if every is None:  # every step when a non-finite update must be acted on, else with the
+            # whole-model statistics (`MonitorConfig.deep_every`)
             acting = any(a != "warn" for a in ctx.config.actions["nonfinite"])
-            every = 1 if acting else ctx.sampled_every
+            deep = ctx.sampled_every if ctx.deep_every is None else ctx.deep_every
+            every = 1 if acting else deep
         self.update_check_every = every
         # the output gradient only serves a replay, and a replay only happens when non-finite values
         # are decided per step (warn-only decides at the log interval): keep it only then
