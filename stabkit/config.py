@@ -127,7 +127,8 @@ class MonitorConfig:
     """Settings of one Monitor. Defaults aim at ≤ 3 % added step time on a CPU."""
 
     every: int = 10
-    """Per-layer statistics (activations, attention, logits, per-block grads, updates) on every N-th step."""
+    """Per-layer statistics (activations, attention, logits, per-block grads) on every N-th step
+    (parameter and update norms, outliers and the optimizer-state checks: `deep_every`)."""
     log_every: int = 50
     """Copy statistics to the host and write the sinks every N steps (one host copy per interval)."""
     modules: ModuleSelection = None
