@@ -198,7 +198,7 @@ class NonfiniteWatch(DeviceChecks):
         every = self.update_check_every
         if not every or step % every:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
+        params = [p for p in self._parameters() if p.requires_grad]  # unfrozen ones too
         tensors = [*params, *optimizer_tensors(self.optimizer)]
         flags = []
         note = self.facts.take_after_update(step)  # what the update-norm pass read already
@@ -210,6 +210,16 @@ class NonfiniteWatch(DeviceChecks):
         if flag is not None:
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The model's parameters, listed at the first check and again when the optimizer's groups
+        change (a parameter new to the model joins them): no walk of the model per checked step."""
+        groups = [] if self.optimizer is None else [len(g["params"]) for g in self.optimizer.param_groups]
+        listed = getattr(self, "_listed", None)
+        if listed is None or listed[0] != groups:
+            params: list[torch.Tensor] = list(self.model.parameters())
+            listed = self._listed = (groups, params)
+        return listed[1]
 
     def step_flags(self, committed: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """At `Monitor.step`, decided every step: (name, device flag) pairs to copy to the host with
