@@ -28,6 +28,9 @@ update/parameter ratios, loss, mixture-of-experts routing (only where discovery 
 LOG_MODES = ("new", "append", "overwrite")
 """What attach does with a logdir that already holds a run: a new ``run-<n>`` folder, add to it, or clear it."""
 
+DEEP_FACTOR = 5
+"""`MonitorConfig.deep_every`'s default, in sampled steps: the whole-model statistics on every 5th
+sampled step (every 50th step by default)."""
 DEFAULT_FAMILIES = frozenset({"act", "attn", "logits", "grad", "param", "update", "loss", "moe"})
 
 
@@ -124,7 +127,8 @@ class MonitorConfig:
     """Settings of one Monitor. Defaults aim at ≤ 3 % added step time on a CPU."""
 
     every: int = 10
-    """Per-layer statistics (activations, attention, logits, per-block grads, updates) on every N-th step."""
+    """Per-layer statistics (activations, attention, logits, per-block grads) on every N-th step
+    (parameter and update norms, outliers and the optimizer-state checks: `deep_every`)."""
     log_every: int = 50
     """Copy statistics to the host and write the sinks every N steps (one host copy per interval)."""
     modules: ModuleSelection = None
@@ -134,6 +138,12 @@ class MonitorConfig:
     """Which statistic families are on (subset of FAMILIES)."""
     attn_every: int | None = None
     """Attention-logit statistics on every N-th step (None = same as `every`)."""
+    deep_every: int | None = None
+    """The statistics that read every parameter and optimizer moment, or a block output several
+    times — parameter norms, update norms and ratios, massive activations and outlier-feature
+    kurtosis, the optimizer state's NaN/Inf and negative-second-moment checks — on every N-th step,
+    a multiple of `every` (None = `DEEP_FACTOR` × `every`; `every` itself when `every` is 1). On a
+    small step they cost more than the rest of a sampled step (see `stabkit bench --size small-step`)."""
     attn_sample_rows: int | None = 4
     """Batch rows the attention probe measures (None = all rows, exact). The rows × queries budget is
     spent twice: a uniform sample (entropy) and, for the max, the queries most likely to hold it."""
@@ -178,6 +188,13 @@ class MonitorConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"MonitorConfig.{name} must be an integer >= 1, got {value!r}")
+        deep = self.deep_every
+        if deep is not None and (
+            not isinstance(deep, int) or isinstance(deep, bool) or deep < 1 or deep % self.every
+        ):
+            raise ValueError(
+                f"MonitorConfig.deep_every must be None or a multiple of every ({self.every}), got {deep!r}"
+            )
         if self.attn_every is not None and (
             not isinstance(self.attn_every, int) or isinstance(self.attn_every, bool) or self.attn_every < 1
         ):
@@ -225,7 +242,7 @@ class MonitorConfig:
     def full(cls, **overrides: object) -> MonitorConfig:
         """Full detail: every module and attention logits on every step (attention on the default
         sample of rows and queries; pass attn_sample_rows=None, attn_sample_queries=None for exact)."""
-        base: dict[str, object] = dict(every=1, modules="*", attn_every=1)
+        base: dict[str, object] = dict(every=1, modules="*", attn_every=1, deep_every=1)
         base.update(overrides)
         return cls(**base)  # type: ignore[arg-type]
 
@@ -238,6 +255,13 @@ class MonitorConfig:
         from .config_toml import read_monitor_config
 
         return read_monitor_config(cls, path, overrides)
+
+    @property
+    def deep_cadence(self) -> int:
+        """Cadence of the whole-model statistics (`deep_every`, resolved)."""
+        if self.deep_every is not None:
+            return self.deep_every
+        return self.every if self.every == 1 else DEEP_FACTOR * self.every
 
     @property
     def attention_every(self) -> int:

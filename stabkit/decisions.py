@@ -69,6 +69,8 @@ class Wiring:
     """The Monitor's newest logged host value of every metric (the live dict, read by actions)."""
     sampled_every: int = 10
     """`MonitorConfig.every`."""
+    deep_every: int | None = None
+    """`MonitorConfig.deep_cadence` (None: `sampled_every`)."""
     distributed: bool = False
     facts: StepFacts = field(default_factory=StepFacts)
     """What the step knows (the Monitor's `StepFacts`): the GradScaler, a skipped update, the
@@ -157,6 +159,7 @@ class Decisions:
             record,
             per_step=self.config.needs_sync(kind),
             sampled_every=w.sampled_every,
+            deep_every=w.sampled_every if w.deep_every is None else w.deep_every,
             can_replay=not w.distributed,
             muted=w.muted,
             facts=w.facts,

@@ -277,6 +277,7 @@ class Monitor:
             logdir=self.logdir,
             metrics=self._metrics,
             sampled_every=self.config.every,
+            deep_every=self.config.deep_cadence,
             distributed=self.dist.active,
             facts=self.facts,
             warmup_steps=self.schedule["warmup_steps"],

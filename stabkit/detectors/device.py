@@ -78,6 +78,9 @@ class DeviceContext:
     """(path, take) of the module whose output holds the model's final logits, when discovery found
     one below the root (`ModelMap.logits`; `take(output)` reads them), else None. A check of the
     model output hooks there under torch.compile (a root hook with tensor work is a graph of its own)."""
+    deep_every: int | None = None
+    """`MonitorConfig.deep_cadence`: how often the whole-model checks run by default (None:
+    `sampled_every`)."""
 
     @property
     def scaled(self) -> bool:

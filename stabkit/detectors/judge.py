@@ -22,6 +22,10 @@ from .base import Detector, DetectorContext
 STATE_VERSION = 2
 
 
+WANTED_KEPT = 64
+"""Sets of row names whose wanted names `Judge` remembers (a run has a few: sampled, unsampled...)."""
+
+
 class Judge:
     """The detectors switched on in `ctx.config`, in registry order."""
 
@@ -31,7 +35,8 @@ class Judge:
             cls.kind: cls(ctx) for cls in DETECTORS.classes() if ctx.config.runs(cls.kind)
         }
         self._reported: dict[int, set[str]] = {}
-        self._wanted: dict[str, tuple[tuple[str, ...], list[str]]] = {}
+        self._wanted: dict[tuple[str, tuple[str, ...]], list[str]] = {}
+        """The names each detector reads, per set of row names (sampled and unsampled rows alternate)."""
 
     def __getitem__(self, kind: str) -> Detector:
         return self.detectors[kind]
@@ -76,13 +81,15 @@ class Judge:
         return events, extra
 
     def _wanted_by(self, det: Detector, names: tuple[str, ...]) -> list[str]:
-        """The `names` `det` reads, remembered per detector for the last set of names (a run's
-        rows carry the same names step after step: ~300 in full mode, judged at every step)."""
-        cached = self._wanted.get(det.kind)
-        if cached is not None and cached[0] == names:
-            return cached[1]
-        mine = [n for n in names if det.wants(n)]
-        self._wanted[det.kind] = (names, mine)
+        """The `names` `det` reads, remembered per detector and set of names (a run's rows carry the
+        same few sets of names step after step — sampled and unsampled ones, ~300 names in full
+        mode — and each is judged at every step)."""
+        key = (det.kind, names)
+        mine = self._wanted.get(key)
+        if mine is None:
+            if len(self._wanted) >= WANTED_KEPT:  # names that vary row to row: stay bounded
+                self._wanted.clear()
+            mine = self._wanted[key] = [n for n in names if det.wants(n)]
         return mine
 
     def rows(

@@ -75,6 +75,8 @@ class _Series:
     armed: bool = True
     since: int | None = None
     """Step of the first value of the current run."""
+    start: float | None = None
+    """The median of `first`, once it holds the baseline (it does not change after)."""
 
 
 @DETECTORS.register
@@ -142,7 +144,9 @@ class OutlierDetector(Detector):
             if len(s.first) < o.baseline:
                 s.first.append(x)
                 continue
-            start = statistics.median(s.first)
+            start = s.start
+            if start is None:
+                start = s.start = statistics.median(s.first)
             met, level = self._condition(stat, x, start)
             if not met:
                 s.run, s.since = 0, None

@@ -6,8 +6,8 @@ when an action needs a per-step decision). Pure Python; checkpointable.
 
 from __future__ import annotations
 
-import itertools
 import math
+import operator
 from collections import deque
 from typing import Any
 
@@ -24,6 +24,8 @@ class RollingWindow:
         self._sum = 0.0
         self._sq = 0.0
         self._pushes = 0
+        self._nans = 0
+        """NaN values in the window, kept as values come and go (no scan per question)."""
 
     def __len__(self) -> int:
         return len(self.values)
@@ -34,6 +36,8 @@ class RollingWindow:
             old = self.values[0]
             self._sum -= old
             self._sq -= old * old
+            self._nans -= old != old
+        self._nans += x != x
         self.values.append(x)
         self._sum += x
         self._sq += x * x
@@ -46,6 +50,7 @@ class RollingWindow:
         """Forget the `n` newest values (a rollback undid the steps that pushed them)."""
         for _ in range(min(n, len(self.values))):
             self.values.pop()
+        self._nans = sum(v != v for v in self.values)
         self._sum = math.fsum(self.values)
         self._sq = math.fsum(v * v for v in self.values)
 
@@ -60,10 +65,10 @@ class RollingWindow:
 
     def median_sigma(self) -> tuple[float, float]:
         """Median and robust σ (1.4826 × median absolute deviation) of the window."""
-        if not self.values or any(math.isnan(v) for v in self.values):  # numpy's answer for NaN
+        if not self.values or self._nans:  # numpy's answer for NaN
             return math.nan, math.nan
         med = median_sorted(sorted(self.values))
-        return med, MAD_TO_SIGMA * median_sorted(sorted(abs(v - med) for v in self.values))
+        return med, MAD_TO_SIGMA * median_sorted(sorted(map(abs, map(med.__rsub__, self.values))))
 
     def recent_level_noise(self, recent: int) -> tuple[float, float]:
         """(level, noise σ) of the window for judging its next value against the run's recent trend:
@@ -78,17 +83,19 @@ class RollingWindow:
           and its differences hide).
 
         NaN when a value is NaN (numpy's answer)."""
-        values = list(self.values)
-        if not values or any(math.isnan(v) for v in values):
+        if not self.values or self._nans:
             return math.nan, math.nan
+        values = list(self.values)
+        # map over builtins instead of generator expressions: the same floats, ~2x faster (this runs
+        # for every watched series of every row, at each log interval)
         newest = sorted(values[-recent:])
         level = median_sorted(newest)
-        around = MAD_TO_SIGMA * median_sorted(sorted(abs(v - level) for v in newest))
-        diffs = [b - a for a, b in itertools.pairwise(values)]
+        around = MAD_TO_SIGMA * median_sorted(sorted(map(abs, map(level.__rsub__, newest))))
+        diffs = list(map(operator.sub, values[1:], values[:-1]))  # b − a of each successive pair
         if len(diffs) < 2:
             return level, around
         mid = median_sorted(sorted(diffs))
-        steps = MAD_TO_SIGMA * median_sorted(sorted(abs(d - mid) for d in diffs)) / math.sqrt(2.0)
+        steps = MAD_TO_SIGMA * median_sorted(sorted(map(abs, map(mid.__rsub__, diffs)))) / math.sqrt(2.0)
         return level, max(steps, around)
 
     def state_dict(self) -> dict[str, Any]:
@@ -102,6 +109,7 @@ class RollingWindow:
                 f"rolling window size changed: checkpoint has {state['size']}, config has {self.size}"
             )
         self.values = deque((float(v) for v in state["values"]), maxlen=self.size)
+        self._nans = sum(v != v for v in self.values)
         self._sum = math.fsum(self.values)
         self._sq = math.fsum(v * v for v in self.values)
         self._pushes = int(state["pushes"])

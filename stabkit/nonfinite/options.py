@@ -21,7 +21,7 @@ class NonfiniteOptions:
     check_output: bool = True
     """Per-step max of the model output (one read of the logits): finite iff log Z is finite, so log Z is checked every step."""
     optimizer_check_every: int | None = field(default=None, metadata=bounds(lo=0))
-    """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' has an action other than warn, else every MonitorConfig.every)."""
+    """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' has an action other than warn, else with the whole-model statistics, every MonitorConfig.deep_every)."""
     localize: bool = True
     """On a decided non-finite step, replay it with per-module checks and name the module, pass and tensor that produced it."""
     keep_output_grad: bool = True

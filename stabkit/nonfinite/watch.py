@@ -60,9 +60,11 @@ class NonfiniteWatch(DeviceChecks):
         """Replays re-run forward/backward on this rank alone, which a distributed job cannot do."""
         self.muted = ctx.muted
         every = options.optimizer_check_every
-        if every is None:  # every step when a non-finite update must be acted on, else on sampled steps
+        if every is None:  # every step when a non-finite update must be acted on, else with the
+            # whole-model statistics (`MonitorConfig.deep_every`)
             acting = any(a != "warn" for a in ctx.config.actions["nonfinite"])
-            every = 1 if acting else ctx.sampled_every
+            deep = ctx.sampled_every if ctx.deep_every is None else ctx.deep_every
+            every = 1 if acting else deep
         self.update_check_every = every
         # the output gradient only serves a replay, and a replay only happens when non-finite values
         # are decided per step (warn-only decides at the log interval): keep it only then
@@ -196,7 +198,7 @@ class NonfiniteWatch(DeviceChecks):
         every = self.update_check_every
         if not every or step % every:
             return
-        params = [p for p in self.model.parameters() if p.requires_grad]  # unfrozen ones too
+        params = [p for p in self._parameters() if p.requires_grad]  # unfrozen ones too
         tensors = [*params, *optimizer_tensors(self.optimizer)]
         flags = []
         note = self.facts.take_after_update(step)  # what the update-norm pass read already
@@ -208,6 +210,16 @@ class NonfiniteWatch(DeviceChecks):
         if flag is not None:
             self.record(UPDATE_METRIC, flag.float())
             self._update_bad = flag
+
+    def _parameters(self) -> list[torch.Tensor]:
+        """The model's parameters, listed at the first check and again when the optimizer's groups
+        change (a parameter new to the model joins them): no walk of the model per checked step."""
+        groups = [] if self.optimizer is None else [len(g["params"]) for g in self.optimizer.param_groups]
+        listed = getattr(self, "_listed", None)
+        if listed is None or listed[0] != groups:
+            params: list[torch.Tensor] = list(self.model.parameters())
+            listed = self._listed = (groups, params)
+        return listed[1]
 
     def step_flags(self, committed: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
         """At `Monitor.step`, decided every step: (name, device flag) pairs to copy to the host with

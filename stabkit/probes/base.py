@@ -78,7 +78,8 @@ class ProbeContext:
         mm = self.model_map
         self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths], self.hooks)
         device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
-        self.phase = StepPhase(self.config.every, self.config.attention_every, device)
+        cfg = self.config
+        self.phase = StepPhase(cfg.every, cfg.attention_every, device, deep_every=cfg.deep_cadence)
         self.refresh()
         self.recorder.gate = self.phase.on
 
@@ -100,18 +101,30 @@ class ProbeContext:
             return True
         return phase.on(every or phase.every)
 
+    def deep(self) -> bool:
+        """True when the step in progress also takes the whole-model statistics
+        (`MonitorConfig.deep_every`: parameter and update norms, outliers, optimizer-state checks)."""
+        return self.sampled(self.phase.deep_every)
+
     def compiled_values(
-        self, every_step: Callable[[], torch.Tensor] | None, opaque: Callable[[int, int], torch.Tensor]
+        self,
+        every_step: Callable[[], torch.Tensor] | None,
+        opaque: Callable[[int, int], torch.Tensor],
+        every: int | None = None,
     ) -> tuple[torch.Tensor, int | None]:
         """Under torch.compile, in a probe's traced hook: a packed statistics vector and the cadence
         the Recorder gates it by (`Recorder.add_packed`). Measured on every step (``every`` 1, and
         `TRACE_EVERY_STEP`): `every_step()`, graph ops Inductor fuses into the kernels that write the
         tensor they read (None: not traceable, e.g. a DTensor). Else ``opaque(gate, every)``: the
-        probe's opaque op, which a gated phase asks at run time, so one graph serves every step."""
-        phase, every = self.phase, self.config.every
-        if every == 1 and TRACE_EVERY_STEP and every_step is not None:
+        probe's opaque op, which a gated phase asks at run time, so one graph serves every step.
+        `every`: the statistic's cadence when it is not `MonitorConfig.every` (the whole-model
+        statistics' `deep_every`): traced into the sampled graph of a guarded phase, whose Recorder
+        keeps it only on the steps of that cadence (no graph of its own)."""
+        phase, base = self.phase, self.config.every
+        cadence = base if every is None else every
+        if cadence == 1 and TRACE_EVERY_STEP and every_step is not None:
             return every_step(), None
-        return opaque(phase.gate, every), every if phase.gated else None
+        return opaque(phase.gate, cadence), cadence if phase.gated or cadence != base else None
 
     def close(self) -> None:
         """At detach: the phase's gate closes (compiled code that still runs measures nothing)."""

@@ -6,12 +6,13 @@ When it runs:
   micro-batch this is the norm of the full (accumulated) gradient *before* any clipping the
   user does later;
 - in the optimizer's step pre-hook (or at `Monitor.step` without an optimizer): the global
-  norm every step; per-unit and per-group norms, parameter norms and (for update ratios) a
-  snapshot of the parameters on sampled steps. With ``optimizer.step(closure)`` (Lightning, LBFGS)
+  norm every step; per-unit and per-group norms on sampled steps; parameter norms and (for update
+  ratios) a snapshot of the parameters on the steps of the whole-model statistics
+  (`MonitorConfig.deep_every`, every 5th sampled step by default). With ``optimizer.step(closure)`` (Lightning, LBFGS)
   the gradients are made inside ``step``: the pre-hook then runs after the closure's first call
   (`stabkit.hooks.AfterClosure`), so the norms are those of the closure's gradients (accumulated
   onto earlier micro-batches' when the closure does not zero them);
-- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on sampled steps, and the
+- in the optimizer's step post-hook: ‖θ_new − θ_old‖ / ‖θ_old‖ per unit on those steps, and the
   update norm ‖θ_new − θ_old‖ itself per unit and in all (Marin 32B: Adam update-norm spikes came
   before loss and gradient-norm spikes), with
   ‖Δθ‖ rebuilt from the optimizer state for Adam/AdamW/SGD (`updates.py`), so no copy of the
@@ -179,14 +180,16 @@ class GradProbe(Probe):
 
     @guarded
     def before_update(self) -> None:
-        """Grad norms (every step) and, on sampled steps, per-unit stats and the update snapshot."""
+        """Grad norms (every step), per-unit and per-group ones on sampled steps, and on the steps of
+        the whole-model statistics (`MonitorConfig.deep_every`) parameter norms and what the update
+        norms need (the norms before the update; a snapshot for an optimizer without a closed form)."""
         ctx = self.ctx
         assert ctx is not None
         self._stepped = True
         sampled = ctx.sampled()
         if self.want_grad:
             self._record_grads(sampled)
-        if sampled and (self.want_param or self.want_update):
+        if sampled and (self.want_param or self.want_update) and ctx.deep():
             with_grad = [i for i, p in enumerate(self.params) if p.grad is not None]
             tensors = [local(self.params[i]) for i in with_grad]  # under no_grad (`guarded`)
             norms = foreach_norm_f32(tensors) if tensors else []

@@ -1,8 +1,9 @@
 """Outlier probe: massive activations and outlier features of each block's output (the residual stream).
 
 Forward hooks on the blocks discovery found (those `MonitorConfig.modules` selects, when it is set),
-active on sampled steps (`MonitorConfig.every`) in training forwards only, like the activation probe;
-it serves the ``act`` family. Per block ``b`` (definitions: `stabkit.stats.outliers`):
+active on the steps of the whole-model statistics (`MonitorConfig.deep_every`: every 5th sampled
+step by default; each block output is read several times) in training forwards only; it serves the
+``act`` family. Per block ``b`` (definitions: `stabkit.stats.outliers`):
 
 - ``act/<b>/massive_ratio``: the largest |x| of a token over that token's median |x|, max over tokens
   (Sun et al. 2024: massive activations ~1000× the median, in fixed channels);
@@ -39,7 +40,8 @@ REDUCTIONS: tuple[Reduction, ...] = ("max", "max", "mean")
 
 
 class OutlierProbe(Probe):
-    """Writes `act/<block>/massive_ratio`, `act/<block>/massive_dim`, `act/<block>/kurtosis` on sampled steps."""
+    """Writes `act/<block>/massive_ratio`, `act/<block>/massive_dim`, `act/<block>/kurtosis` every
+    `MonitorConfig.deep_every` steps."""
 
     name = "outliers"
     families = frozenset({"act"})
@@ -62,7 +64,10 @@ class OutlierProbe(Probe):
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             ctx = self.ctx
             assert ctx is not None
-            if self.enabled and ctx.sampled() and ctx.training_forward(module):
+            # eager: on the whole-model statistics' steps; traced: in the sampled graph (the
+            # cadence is the ops' and the Recorder's business: `ProbeContext.compiled_values`)
+            every = None if torch.compiler.is_compiling() else ctx.phase.deep_every
+            if self.enabled and ctx.sampled(every) and ctx.training_forward(module):
                 self._measure(names, output)
 
         return hook
@@ -78,7 +83,9 @@ class OutlierProbe(Probe):
         if torch.compiler.is_compiling():  # every step: fused graph ops; sampled: one opaque op
             x = x.detach()
             values = ctx.compiled_values(
-                lambda: outlier_values(x), lambda gate, every: torch.ops.stabkit.outlier_stats(x, gate, every)
+                lambda: outlier_values(x),
+                lambda gate, every: torch.ops.stabkit.outlier_stats(x, gate, every),
+                ctx.phase.deep_every,
             )
             ctx.recorder.add_packed(names, OUTLIER_COMBINES, REDUCTIONS, *values)
             return

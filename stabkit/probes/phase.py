@@ -41,14 +41,24 @@ GATED: bool | None = None
 class StepPhase:
     """The sampling decision of the step in progress (see the module docstring)."""
 
-    def __init__(self, every: int, attn_every: int, device: torch.device, gated: bool | None = None) -> None:
+    def __init__(
+        self,
+        every: int,
+        attn_every: int,
+        device: torch.device,
+        gated: bool | None = None,
+        deep_every: int | None = None,
+    ) -> None:
         self.every = every
         self.attn_every = attn_every
+        self.deep_every = every if deep_every is None else deep_every
         self.step = 0
         self.sampled = True
         """Per-layer statistics on this step (``step % MonitorConfig.every == 0``)."""
         self.attn_sampled = True
         """Attention statistics on this step (``step % MonitorConfig.attention_every == 0``)."""
+        self.deep_sampled = True
+        """Whole-model statistics on this step (``step % MonitorConfig.deep_cadence == 0``)."""
         if gated is None:
             gated = device.type == "cpu" if GATED is None else GATED
         self.gated = gated
@@ -64,18 +74,21 @@ class StepPhase:
         self.step = step
         self.sampled = step % self.every == 0
         self.attn_sampled = step % self.attn_every == 0
+        self.deep_sampled = step % self.deep_every == 0
         value = step // self.attn_every
         if value != self._round_value:
             self._round_value = value
             self.round.fill_(value)  # no sync: an in-place fill on the device
 
     def on(self, every: int) -> bool:
-        """Whether a probe with cadence `every` samples this step (a constant for the two cadences
+        """Whether a probe with cadence `every` samples this step (a constant for the three cadences
         of the config; any other cadence is computed from the step — eager callers and ops only)."""
         if every == self.every:
             return self.sampled
         if every == self.attn_every:
             return self.attn_sampled
+        if every == self.deep_every:
+            return self.deep_sampled
         return self.step % every == 0
 
     def close(self) -> None:

@@ -13,7 +13,7 @@ from zoo import SEQ, VOCAB, batch, hf_gpt2, lm_loss, reference_gpt
 import stabkit
 
 STEPS = 20
-CONFIG = dict(every=5, log_every=5, console=False, audit=False)
+CONFIG = dict(every=5, deep_every=10, log_every=5, console=False, audit=False)
 
 
 def scalars(logdir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -29,18 +29,19 @@ def check_tags(series: dict[str, list[tuple[int, float]]], block: str, attn: str
     every_step = ["loss", "grad/global_norm"]
     sampled = [
         f"grad/{block}/norm",
-        f"param/{block}/norm",
-        f"update/{block}/ratio",
         f"act/{block}/rms",
         f"attn/{attn}/max_logit",
         "logits/logz_max",
     ]
-    missing = [t for t in every_step + sampled if t not in series]
+    deep = [f"param/{block}/norm", f"update/{block}/ratio"]  # the whole-model cadence, `deep_every`
+    missing = [t for t in every_step + sampled + deep if t not in series]
     assert not missing, (missing, sorted(series)[:40])
     for tag in every_step:
         assert [s for s, _ in series[tag]] == list(range(STEPS)), tag
     for tag in sampled:
         assert [s for s, _ in series[tag]] == list(range(0, STEPS, CONFIG["every"])), tag  # type: ignore[arg-type]
+    for tag in deep:
+        assert [s for s, _ in series[tag]] == list(range(0, STEPS, CONFIG["deep_every"])), tag  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------- transformers.Trainer

@@ -207,6 +207,21 @@ def test_compiled_statistics_equal_eager(family: str, name: str, micro_batches: 
     assert graphs[-1] == graphs[1]  # no graph after the first sampling cycle (every 2)
 
 
+@pytest.mark.parametrize("gated", [True, False], ids=["gated", "guarded"], indirect=True)
+def test_whole_model_cadence_compiled_equals_eager_in_the_same_graphs(gated: bool) -> None:
+    """`deep_every` (4, every 2): the outlier statistics on steps 0, 4, 8 only, equal to eager's; the
+    gated graph asks its op with that cadence, the guarded sampled graph serves both kinds of sampled
+    step (no graph after the first sampling cycle)."""
+    cfg = config("default", deep_every=4)
+    eager_losses, eager_rows, _ = train("reference", cfg, 9, None)
+    losses, rows, graphs = train("reference", cfg, 9, "aot_eager")
+    assert losses == eager_losses
+    assert [s for s, row in rows.items() if "act/blocks.0/massive_ratio" in row] == [0, 4, 8]
+    assert [s for s, row in rows.items() if "act/blocks.0/rms" in row] == [0, 2, 4, 6, 8]
+    assert_same_rows(rows, eager_rows, rel=1e-6)
+    assert graphs[-1] == graphs[1]
+
+
 def test_no_recompile_over_sampling_cycles(gated: bool) -> None:
     """Two cadences (every 3, attention every 2) and gradient accumulation: the set of graphs is
     complete after the first cycle (6 steps) and nothing recompiles over the next one."""

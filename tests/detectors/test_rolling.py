@@ -1,0 +1,70 @@
+"""`RollingWindow`'s robust statistics against numpy on the same values, and its NaN bookkeeping
+(kept as values come and go) against a scan of the window."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import numpy as np
+import pytest
+
+from stabkit.detectors.rolling import MAD_TO_SIGMA, RollingWindow
+
+
+def _expected(values: list[float], recent: int) -> tuple[float, float]:
+    """`recent_level_noise` computed with numpy (the definition in its docstring)."""
+    v = np.asarray(values)
+    newest = v[-recent:]
+    level = float(np.median(newest))
+    around = MAD_TO_SIGMA * float(np.median(np.abs(newest - level)))
+    diffs = np.diff(v)
+    if len(diffs) < 2:
+        return level, around
+    steps = MAD_TO_SIGMA * float(np.median(np.abs(diffs - np.median(diffs)))) / math.sqrt(2.0)
+    return level, max(steps, around)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_level_noise_and_median_sigma_equal_numpy(seed: int) -> None:
+    rng = random.Random(seed)
+    window = RollingWindow(32)
+    pushed: list[float] = []
+    for _ in range(80):  # past the window's size: old values leave
+        x = rng.lognormvariate(0, 1)
+        window.push(x)
+        pushed.append(x)
+        kept = pushed[-32:]
+        level, noise = window.recent_level_noise(8)
+        want_level, want_noise = _expected(kept, 8)
+        assert level == pytest.approx(want_level, rel=1e-12)
+        assert noise == pytest.approx(want_noise, rel=1e-12)
+        med, sigma = window.median_sigma()
+        assert med == pytest.approx(float(np.median(kept)), rel=1e-12)
+        assert sigma == pytest.approx(
+            MAD_TO_SIGMA * float(np.median(np.abs(np.asarray(kept) - med))), rel=1e-12
+        )
+
+
+def test_a_nan_counts_while_it_is_in_the_window_and_not_after() -> None:
+    window = RollingWindow(4)
+    for x in (1.0, 2.0, math.nan, 3.0):
+        window.push(x)
+    assert all(math.isnan(v) for v in window.recent_level_noise(2))
+    assert all(math.isnan(v) for v in window.median_sigma())
+    for x in (4.0, 5.0, 6.0):  # the NaN leaves after the third push
+        window.push(x)
+    assert not any(math.isnan(v) for v in window.median_sigma())
+    assert window.median_sigma()[0] == 4.5
+
+
+def test_nan_bookkeeping_survives_drop_and_restore() -> None:
+    window = RollingWindow(5)
+    for x in (1.0, 2.0, 3.0, math.nan):
+        window.push(x)
+    window.drop_newest(1)  # a rollback takes the NaN back
+    assert window.median_sigma()[0] == 2.0
+    window.push(math.nan)
+    restored = RollingWindow(5)
+    restored.load_state_dict(window.state_dict())
+    assert all(math.isnan(v) for v in restored.median_sigma())
