@@ -83,7 +83,9 @@ def test_readme_intervention_applies_like_a_builtin(plugins: dict[str, Any]) -> 
     x, _ = next(text_batches(1, 2, 32, seed=0))
     with torch.no_grad():
         before = model(x).clone()
-    assert tuple(ORDER)[-3:] == ("logit_softcap", "scale_logits", "z_loss")  # its `order`, live
+    order = tuple(ORDER)
+    at = order.index("scale_logits")  # its `order` (55), live: after logit_softcap (50), before z_loss (60)
+    assert order[at - 1 : at + 2] == ("logit_softcap", "scale_logits", "z_loss")
     assert (
         "scale_logits" in describe_registry() and "factor=0.5 (a number in (0, inf))" in describe_registry()
     )
