@@ -41,8 +41,8 @@ from ..events import Event
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
-from .base import Detector, DetectorContext, Observation
-from .moe_loads import collapse_fraction, is_load, layer_loads
+from .base import DetectorContext, Observation
+from .moe_loads import ExpertLoadDetector, collapse_fraction, layer_loads
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ class _Layer:
 
 
 @DETECTORS.register
-class ExpertCollapseDetector(Detector):
+class ExpertCollapseDetector(ExpertLoadDetector):
     """Expert collapse per MoE layer, from ``moe/<layer>/load[e]``."""
 
     kind = "expert_collapse"
@@ -91,13 +91,6 @@ class ExpertCollapseDetector(Detector):
         super().__init__(ctx)
         self.options = ctx.options(self.kind, CollapseOptions)
         self.layers: dict[str, _Layer] = {}
-
-    def wants(self, name: str) -> bool:
-        """The per-expert token counts (the names hold '[', which globs read as a class)."""
-        hit = self._wants.get(name)
-        if hit is None:
-            hit = self._wants[name] = is_load(name)
-        return hit
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """An event for each MoE layer whose collapse has just held for `hold_steps`."""

@@ -35,8 +35,8 @@ from ..events import Event
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
-from .base import Detector, DetectorContext, Observation
-from .moe_loads import is_load, layer_loads
+from .base import DetectorContext, Observation
+from .moe_loads import ExpertLoadDetector, layer_loads
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class _Layer:
 
 
 @DETECTORS.register
-class DeadExpertsDetector(Detector):
+class DeadExpertsDetector(ExpertLoadDetector):
     """Newly dead experts per MoE layer, from ``moe/<layer>/load[e]``."""
 
     kind = "dead_experts"
@@ -86,13 +86,6 @@ class DeadExpertsDetector(Detector):
         super().__init__(ctx)
         self.options = ctx.options(self.kind, DeadOptions)
         self.layers: dict[str, _Layer] = {}
-
-    def wants(self, name: str) -> bool:
-        """The per-expert token counts (the names hold '[', which globs read as a class)."""
-        hit = self._wants.get(name)
-        if hit is None:
-            hit = self._wants[name] = is_load(name)
-        return hit
 
     def observe(self, step: int, values: Mapping[str, float]) -> Observation:
         """An event for each MoE layer with experts newly dead at `step`."""

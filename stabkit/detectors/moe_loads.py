@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from ..moe.finish import LOAD
+from .base import Detector
 
 
 def is_load(name: str) -> bool:
@@ -51,3 +52,14 @@ def collapse_fraction(load: list[float], top_k: int) -> float | None:
         return None
     share = max(load) / total
     return (share - 1.0 / n) / (1.0 / top_k - 1.0 / n)
+
+
+class ExpertLoadDetector(Detector):
+    """Base of the detectors that judge the per-expert token counts: they want exactly those series."""
+
+    def wants(self, name: str) -> bool:
+        """The per-expert token counts (the names hold '[', which globs read as a class)."""
+        hit = self._wants.get(name)
+        if hit is None:
+            hit = self._wants[name] = is_load(name)
+        return hit

@@ -35,9 +35,9 @@ def packed_combines(n_experts: int) -> tuple[Combine, ...]:
 
 
 def packed_reductions(n_experts: int) -> tuple[Reduction, ...]:
-    """How each entry reduces over ranks: as it combines (`packed_combines`)."""
-    kinds: list[Any] = ["sum"] * n_experts + ["mean"] * len(MEANS) + ["max"] * len(MAXES)
-    return tuple(kinds)
+    """How each entry reduces over ranks: as it combines (the same names: sum, mean, max)."""
+    same: tuple[Any, ...] = packed_combines(n_experts)
+    return same
 
 
 @opaque_op(
