@@ -54,7 +54,7 @@ from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
-from .rolling import median_sorted
+from .rolling import loss_falls, median_sorted
 
 LOSS_KEPT = 4096
 """Newest losses the drift detector keeps (a window of 20 values sampled every 100 steps spans 2000)."""
@@ -310,13 +310,8 @@ class DriftDetector(Detector):
         )
 
     def _loss_falls(self, start: int, end: int) -> bool | None:
-        """Whether the loss fell over steps `start`..`end`: the median of the last third of its values
-        there below the median of the first third (None: fewer than 6 values)."""
-        values = [v for t, v in self.losses if start <= t <= end]
-        if len(values) < 6:
-            return None
-        third = len(values) // 3
-        return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))
+        """`rolling.loss_falls` over the losses this detector kept."""
+        return loss_falls(self.losses, start, end)
 
     def rewind(self, step: int) -> None:
         """Forget every window value from `step` on, and the cooldowns (the first values and the log

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import operator
 from collections import deque
+from collections.abc import Iterable
 from typing import Any
 
 MAD_TO_SIGMA = 1.4826
@@ -121,3 +122,14 @@ def median_sorted(ordered: list[float]) -> float:
     which the spike detectors ask for every watched series at every consumed step."""
     n = len(ordered)
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def loss_falls(losses: Iterable[tuple[int, float]], start: int, end: int) -> bool | None:
+    """Whether the loss fell over steps `start`..`end` of `losses` ((step, loss) pairs): the median of
+    the last third of its values there below the median of the first third (None: fewer than 6
+    values). How the drift and router-z detectors grade a rise: a note while the loss still falls."""
+    values = [v for t, v in losses if start <= t <= end]
+    if len(values) < 6:
+        return None
+    third = len(values) // 3
+    return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))

@@ -39,7 +39,7 @@ from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
-from .rolling import median_sorted
+from .rolling import loss_falls, median_sorted
 
 LOSS_KEPT = 4096
 """Newest losses kept (whether the loss still falls over a window)."""
@@ -182,13 +182,8 @@ class RouterZDetector(Detector):
         )
 
     def _loss_falls(self, start: int, end: int) -> bool | None:
-        """The median of the last third of the losses in `start`..`end` below that of the first third
-        (None: fewer than 6 losses)."""
-        values = [v for t, v in self.losses if start <= t <= end]
-        if len(values) < 6:
-            return None
-        third = len(values) // 3
-        return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))
+        """`rolling.loss_falls` over the losses this detector kept."""
+        return loss_falls(self.losses, start, end)
 
     def rewind(self, step: int) -> None:
         """Forget the held values and arm every layer again (the start stays: it describes the run's
