@@ -26,6 +26,8 @@ UPDATE = "update"
 """Update norms and update/parameter ratios per unit."""
 LOGITS = "logits"
 """The model's output logits (``logits/logz_max``...)."""
+MOE = "moe"
+"""A mixture-of-experts layer's routing: loads, their ratios, router entropy and log Z (`stabkit.moe`)."""
 QK_CLIP = "qk_clip"
 """QK-Clip's own per-module readings (`stabkit.interventions.qkclip`)."""
 

@@ -54,7 +54,7 @@ from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
-from .rolling import loss_falls, median_sorted
+from .rolling import grade_by_loss, median_sorted
 
 LOSS_KEPT = 4096
 """Newest losses the drift detector keeps (a window of 20 values sampled every 100 steps spans 2000)."""
@@ -299,19 +299,8 @@ class DriftDetector(Detector):
         if past:
             return "warning", f"— past its danger line {danger:.4g}"
         end_step = s.window[-1][0]
-        falling = self._loss_falls(min(s.window[0][0], end_step - self.options.loss_span), end_step)
-        if falling is None:
-            return "warning", "— the loss is not known to be falling"
-        if not falling:
-            return "warning", "— and the loss has stopped falling"
-        return (
-            "info",
-            f"while the loss still falls (a note: a warning past {danger:.4g} or once the loss stalls)",
-        )
-
-    def _loss_falls(self, start: int, end: int) -> bool | None:
-        """`rolling.loss_falls` over the losses this detector kept."""
-        return loss_falls(self.losses, start, end)
+        start = min(s.window[0][0], end_step - self.options.loss_span)
+        return grade_by_loss(self.losses, start, end_step, f"past {danger:.4g}")
 
     def rewind(self, step: int) -> None:
         """Forget every window value from `step` on, and the cooldowns (the first values and the log

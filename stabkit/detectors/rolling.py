@@ -133,3 +133,15 @@ def loss_falls(losses: Iterable[tuple[int, float]], start: int, end: int) -> boo
         return None
     third = len(values) // 3
     return median_sorted(sorted(values[-third:])) < median_sorted(sorted(values[:third]))
+
+
+def grade_by_loss(losses: Iterable[tuple[int, float]], start: int, end: int, danger: str) -> tuple[str, str]:
+    """('info' | 'warning', the reason in words) of a rise still short of its danger line: a note while
+    the loss falls over `start`..`end` (`loss_falls`), a warning once it stalls or is not known to
+    fall. `danger` says where the warning line is ("past 12.5", "6 nats above the start")."""
+    falling = loss_falls(losses, start, end)
+    if falling is None:
+        return "warning", "— the loss is not known to be falling"
+    if not falling:
+        return "warning", "— and the loss has stopped falling"
+    return "info", f"while the loss still falls (a note: a warning {danger} or once the loss stalls)"

@@ -35,11 +35,12 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from ..events import Event
+from ..metric_names import MOE, metric, path_of
 from ..plugins import DETECTORS
 from ..tables import bounds
 from .advice import Advice
 from .base import Detector, DetectorContext, Observation
-from .rolling import loss_falls, median_sorted
+from .rolling import grade_by_loss, median_sorted
 
 LOSS_KEPT = 4096
 """Newest losses kept (whether the loss still falls over a window)."""
@@ -106,10 +107,10 @@ class RouterZDetector(Detector):
             if name == "loss":
                 self.losses.append((step, x))
             elif name.endswith("/logit_max"):
-                self.logit_max[name.removeprefix("moe/").removesuffix("/logit_max")] = x
+                self.logit_max[path_of(name)] = x
         for name, x in values.items():
             if name.endswith("/logz_mean") and math.isfinite(x):
-                event = self._update(step, name.removeprefix("moe/").removesuffix("/logz_mean"), x)
+                event = self._update(step, path_of(name), x)
                 if event is not None:
                     events.append(event)
         return Observation(events)
@@ -157,7 +158,7 @@ class RouterZDetector(Detector):
             details={
                 "layer": path,
                 "module": path,
-                "series": f"moe/{path}/logz_mean",
+                "series": metric(MOE, path, "logz_mean"),
                 "start": start,
                 "offset": offset,
                 "logit_max": top,
@@ -171,19 +172,8 @@ class RouterZDetector(Detector):
         o = self.options
         if offset >= o.danger:
             return "warning", f"— past its danger line, {o.danger:g} nats above the start"
-        falling = self._loss_falls(min(since, step - o.loss_span), step)
-        if falling is None:
-            return "warning", "— the loss is not known to be falling"
-        if not falling:
-            return "warning", "— and the loss has stopped falling"
-        return (
-            "info",
-            f"while the loss still falls (a note: a warning {o.danger:g} nats above the start or once the loss stalls)",
-        )
-
-    def _loss_falls(self, start: int, end: int) -> bool | None:
-        """`rolling.loss_falls` over the losses this detector kept."""
-        return loss_falls(self.losses, start, end)
+        start = min(since, step - o.loss_span)
+        return grade_by_loss(self.losses, start, step, f"{o.danger:g} nats above the start")
 
     def rewind(self, step: int) -> None:
         """Forget the held values and arm every layer again (the start stays: it describes the run's

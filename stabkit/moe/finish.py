@@ -19,12 +19,14 @@ from __future__ import annotations
 import math
 import re
 
+from ..metric_names import MOE, metric
+
 LOAD = re.compile(r"^(moe/.+)/load\[(\d+)\]$")
 
 
 def load_name(layer: str, expert: int) -> str:
     """The metric name of one expert's token count."""
-    return f"moe/{layer}/load[{expert}]"
+    return metric(MOE, layer, f"load[{expert}]")
 
 
 def load_ratios(load: list[float]) -> dict[str, float]:

@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..metric_names import MOE, metric
 from ..plugins import PROBES
 from ..probes.base import Probe, ProbeContext, guarded
 from .compiled import SCORINGS, packed_combines, packed_reductions
@@ -46,8 +47,8 @@ class _Layer:
     def __init__(self, model: nn.Module, moe: MoEMap) -> None:
         self.moe = moe
         self.load_names = tuple(load_name(moe.path, e) for e in range(moe.n_experts))
-        self.mean_names = tuple(f"moe/{moe.path}/{s}" for s in MEANS)
-        self.max_names = tuple(f"moe/{moe.path}/{s}" for s in MAXES)
+        self.mean_names = tuple(metric(MOE, moe.path, s) for s in MEANS)
+        self.max_names = tuple(metric(MOE, moe.path, s) for s in MAXES)
         self.bias: torch.Tensor | None = None
         if moe.score_bias is not None:
             owner, _, leaf = moe.score_bias.rpartition(".")
@@ -118,7 +119,7 @@ class MoEProbe(Probe):
         assert ctx is not None
         aux = getattr(output, "aux_loss", None)
         if isinstance(aux, torch.Tensor) and self.enabled and ctx.sampled() and ctx.training_forward(module):
-            ctx.recorder.add("moe/aux_loss", aux.detach(), combine="mean", reduction="mean")
+            ctx.recorder.add(metric(MOE, "", "aux_loss"), aux.detach(), combine="mean", reduction="mean")
 
     def finish_rows(self, rows: list[tuple[int, dict[str, float]]]) -> None:
         """At the log interval, on the host, after the cross-rank reduction: the load ratios."""
