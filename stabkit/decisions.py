@@ -101,8 +101,7 @@ class Decisions:
     def __init__(self, wiring: Wiring, config: DetectConfig) -> None:
         if not isinstance(config, DetectConfig):
             raise TypeError(f"stabkit detectors need a DetectConfig, got {type(config).__name__}")
-        device_type = next((p.device.type for p in wiring.model.parameters()), "cpu")
-        self.config = config = config.resolved(device_type)
+        self.config = config
         self.wiring = wiring
         self.recorder = wiring.recorder
         self.judge = Judge(DetectorContext.from_model_map(wiring.model_map, config, wiring.warmup_steps))

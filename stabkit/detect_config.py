@@ -16,7 +16,7 @@ a plug-in named in `options` (checked when the config is built).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, TypeVar, overload
 
 from .events import SEVERITIES, severity_rank
@@ -55,11 +55,13 @@ class DetectConfig:
     options dataclass: ``{"spike": {"window": 64}, "nonfinite": {"per_module": True}, "rollback":
     {"snapshot_every": 25}, "attn_entropy": {"drop": 0.5}, "rescue": {"lr_factor": 0.5}}``. A recipe's
     variant lays its ``options`` over the recipe's key by key."""
-    sync: bool | None = None
+    sync: bool = False
     """Decide non-finite steps every step even when the action is 'warn' (one scalar copy per step), so
-    they are localized: None = yes on a CPU (no device stall there; ~0.3 ms of host work a step on a
-    512-token loop, `stabkit bench --size small-step`), no on an accelerator (where the
-    per-step copy stalls the device; `stabkit bench` measures it) — the event then says how to turn it on."""
+    they are localized (the module that made the first NaN/Inf is named) and the step can be replayed.
+    Off by default on every device: on an accelerator the per-step copy stalls the device, and on a
+    CPU it is ~0.3 ms of host work a step (0.5 % of a 512-token loop, `stabkit bench --size
+    small-step`); the warn-only event says how to turn it on. (Earlier 0.x versions decided per step by
+    default on a CPU, so that a run reported differently on a laptop and on a GPU.)"""
     act_on: str = "warning"
     """The mildest severity the actions other than 'warn' act on (`stabkit.events.SEVERITIES`: 'info',
     'warning', 'critical'): a note ('info') is reported, never skipped, rolled back or raised on."""
@@ -70,7 +72,7 @@ class DetectConfig:
         actions: Mapping[str, Any] | None = None,
         detectors: Sequence[str] | None = None,
         options: Mapping[str, Mapping[str, Any]] | None = None,
-        sync: bool | None = None,
+        sync: bool = False,
         act_on: str = "warning",
     ) -> None:
         self.actions = dict(actions) if isinstance(actions, Mapping) else actions  # type: ignore[assignment]
@@ -84,8 +86,8 @@ class DetectConfig:
     def __post_init__(self) -> None:
         if self.act_on not in SEVERITIES:
             raise ValueError(f"DetectConfig.act_on must be one of {list(SEVERITIES)}, got {self.act_on!r}")
-        if self.sync is not None and not isinstance(self.sync, bool):
-            raise ValueError(f"DetectConfig.sync must be None (auto), True or False, got {self.sync!r}")
+        if not isinstance(self.sync, bool):
+            raise ValueError(f"DetectConfig.sync must be True or False, got {self.sync!r}")
         if self.actions is None:
             self.actions = {}
         if not isinstance(self.actions, dict):
@@ -160,12 +162,6 @@ class DetectConfig:
             made = fill(cls, self.options.get(name, {}), f"DetectConfig.options.{name}")
             self._checked[name] = made
         return made
-
-    def resolved(self, device_type: str) -> DetectConfig:
-        """This config with `sync` decided for a model on `device_type` (called once at attach)."""
-        if self.sync is not None:
-            return self
-        return replace(self, sync=device_type == "cpu")
 
     def runs(self, kind: str) -> bool:
         """True when the detector of `kind` is switched on (`detectors`)."""

@@ -2,7 +2,9 @@
 
 `StepGuard` puts two hooks on the root model:
 - forward pre-hook (every forward with grad enabled): keeps the inputs *by reference*, the CPU
-  and CUDA RNG states and the autocast settings, so the step can be replayed exactly;
+  and CUDA RNG states and the autocast settings, so the step can be replayed exactly — only when
+  something can read them (`keep_inputs`: non-finite steps decided every step, or an action other
+  than warn, which may dump or rescue the step); a warn-only run has no pre-hook;
 - forward hook: the max of the model output, on the device (NaN if any NaN, +Inf if any +Inf:
   log Z = logsumexp is finite iff this max is, so this is the per-step log Z check at the cost of
   one read of the logits; the logits probe measures log Z itself only on sampled steps). With
@@ -118,20 +120,25 @@ class StepGuard:
         keep_grad: bool,
         hooks: Registrar = DIRECT,
         output_site: tuple[str, Callable[[Any], Any]] | None = None,
+        keep_inputs: bool = True,
     ) -> None:
         self.record = record
         self.check_output = check_output
-        self.keep_grad = keep_grad
+        self.keep_inputs = keep_inputs
+        """Keep each forward's inputs, RNG and autocast state (a replay, a dump or a rescue reads
+        them). False when nothing can: no pre-hook then, and the output check is all the step costs."""
+        self.keep_grad = keep_grad and keep_inputs
         self._kept: list[KeptForward] = []
         self._chain: _Chain | None = None
         self.output_bad: torch.Tensor | None = None
         """Device flag: some output of this step held NaN/+Inf."""
         self.paused = False
         """True during a replay: the hooks do nothing."""
-        self.handles: list[RemovableHandle] = [
-            hooks.forward_pre("step-guard", model, self._pre_forward, with_kwargs=True),
-            hooks.forward("step-guard", model, self._post_forward, with_kwargs=True),
-        ]
+        self.handles: list[RemovableHandle] = []
+        if keep_inputs:
+            self.handles.append(hooks.forward_pre("step-guard", model, self._pre_forward, with_kwargs=True))
+        if keep_inputs or check_output:
+            self.handles.append(hooks.forward("step-guard", model, self._post_forward, with_kwargs=True))
         self._site_take: Callable[[Any], Any] | None = None
         if output_site is not None and check_output:
             path, self._site_take = output_site
@@ -169,7 +176,7 @@ class StepGuard:
         if self.paused or not torch.is_grad_enabled() or tracing():
             return
         kept = self._latest()
-        if kept is None:
+        if kept is None and self.keep_inputs:
             return
         try:
             out = first_tensor(output)
@@ -177,7 +184,7 @@ class StepGuard:
             return
         if self.check_output and not (self._site_take is not None and torch.compiler.is_compiling()):
             self._check(out)
-        if self.keep_grad and out.requires_grad:
+        if self.keep_grad and kept is not None and out.requires_grad:
 
             def keep(grad: torch.Tensor) -> None:
                 kept.output_grad = grad.detach()
@@ -193,7 +200,7 @@ class StepGuard:
         checks (the model output itself) and this one returns at once."""
         if not torch.compiler.is_compiling() or self.paused or not torch.is_grad_enabled() or tracing():
             return
-        if self._latest() is None or self._site_take is None:
+        if (self.keep_inputs and self._latest() is None) or self._site_take is None:
             return
         logits = self._site_take(output)
         if isinstance(logits, torch.Tensor):

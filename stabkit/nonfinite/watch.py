@@ -75,8 +75,17 @@ class NonfiniteWatch(DeviceChecks):
             and self.can_replay
             and self.per_step
         )
+        # the step's inputs serve a replay (decided per step) and the actions that re-run or save
+        # the step (dump, rescue); a warn-only run reads none of them
+        acting = any(a != "warn" for acts in ctx.config.actions.values() for a in acts)
         self.guard = StepGuard(
-            model, self.record, options.check_output, keep_grad, ctx.hooks, output_site=ctx.output_site
+            model,
+            self.record,
+            options.check_output,
+            keep_grad,
+            ctx.hooks,
+            output_site=ctx.output_site,
+            keep_inputs=self.per_step or acting,
         )
         self.tracer = FiniteTracer(model, hooks=ctx.hooks) if options.per_module else None
         self.open = False
@@ -96,6 +105,8 @@ class NonfiniteWatch(DeviceChecks):
         """The step's flag (tracer origins and the gradient flag are kept either way), to be decided
         now only when the kind is decided every step; then, every `update_check_every`-th step, with
         the negative-second-moment flag (`stabkit.nonfinite.moments.negative_flag`)."""
+        if not self.per_step and self.tracer is None and value("grad/global_norm") is not None:
+            return None  # decided at the log interval, from rows that hold the norm and the output flag
         flag = self.flag(step, value, record)
         if not self.per_step:
             return None

@@ -166,17 +166,25 @@ def test_dump_saves_the_batch_and_a_report(tmp_path: Any) -> None:
     assert report["event"]["where"] == "blocks.0.mlp.fc" and report["nonfinite_params"] == []
 
 
-def test_cpu_default_names_the_module_of_a_nan_at_once() -> None:
-    loop = Loop(monitor={"log_every": 5})  # DetectConfig() on a CPU: sync=None -> decided every step
+def test_sync_names_the_module_of_a_nan_at_once() -> None:
+    loop = Loop(monitor={"log_every": 5}, sync=True)  # decided every step, though the action is warn
     loop.step()
     s = loop.step(poison=True)
     events = [e for e in loop.mon.events if e.kind == "nonfinite"]
     assert [(e.step, e.where, e.details["pass"]) for e in events] == [(s, "blocks.0.mlp.fc", "forward")]
-    assert loop.mon.detectors.config.sync is True
+
+
+def test_default_decides_at_the_log_interval_on_a_cpu_too() -> None:
+    loop = Loop(monitor={"log_every": 5})  # DetectConfig() on a CPU: as on an accelerator
+    assert loop.mon.detectors.config.sync is False
+    assert "nonfinite" in loop.mon.detectors.per_row and "nonfinite" not in loop.mon.detectors.per_step
+    loop.step()
+    loop.step(poison=True)
+    assert loop.mon.events == []  # nothing is decided before the log interval
 
 
 def test_warn_only_reports_at_the_log_interval_without_localizing() -> None:
-    loop = Loop(monitor={"log_every": 5}, sync=False)  # the default on an accelerator
+    loop = Loop(monitor={"log_every": 5})  # the default
     loop.step()
     s = loop.step(poison=True)
     assert loop.mon.events == []  # nothing is decided between log intervals

@@ -61,6 +61,8 @@ def measure(
     """Per-head statistics of one call on `sampling` (`cap`: soft cap on the logits, for the
     entropy), with temporaries within `budget` bytes (None: ``4 · CHUNK_ELEMENTS``)."""
     budget = 4 * CHUNK_ELEMENTS if budget is None else budget
+    if not _sample_is_smaller(call, sampling):  # a small call: measuring all of it reads less
+        sampling = EXACT
     if isinstance(call, LogitsCall):
         return _measure_logits(call.x, sampling, cap, budget, call.sink_columns)
     if fast.applies(call, sampling):  # the common call, in one block: the same numbers, fewer ops
@@ -71,6 +73,25 @@ def measure(
         if fast.fits(call, rows, queries, per_row, budget):
             return fast.measure_one_block(call, sampling, cap, per_row)
     return _measure_qk(call, sampling, call.softcap or cap, budget)
+
+
+def _sample_is_smaller(call: QKCall | LogitsCall, sampling: Sampling) -> bool:
+    """Whether `sampling` reads fewer query rows of `call` than the whole call: the uniform sample
+    (rows × queries) plus the max candidates (`candidates_per_row` in every batch row). On a small
+    call they add up to all of it or more — 8 rows × 64 queries with the default 4 × 64 sample: 256
+    sampled + 8 × 32 candidates — and measuring every row exactly is cheaper (0.67 against 0.96 ms a
+    call on one CPU thread, 4 heads of 32) and exact. Decided from shapes only (no sync; under
+    torch.compile a guard on them at most)."""
+    if isinstance(call, LogitsCall):
+        batch, n_q = call.x.shape[0], call.x.shape[2]
+    else:
+        batch, n_q = max(call.q.shape[0], call.k.shape[0]), call.q.shape[2]
+    per_row = candidates_per_row(sampling, batch, n_q)
+    if not per_row:
+        return False  # the sample is the whole call already
+    rows = batch if sampling.rows is None else min(sampling.rows, batch)
+    queries = n_q if sampling.queries is None else min(sampling.queries, n_q)
+    return rows * queries + batch * per_row < batch * n_q
 
 
 def candidates_per_row(sampling: Sampling, batch: int, n_queries: int) -> int:
