@@ -1,5 +1,6 @@
 """stabkit's own time per step: a timer around each hook the monitor registered, the gradient
-probe's end-of-backward callback and `Monitor.step` (`stabkit bench --in-hook`).
+probe's end-of-backward callback, the attention probe's measurement (inside the attention module's
+forward) and `Monitor.step` (`stabkit bench --in-hook`).
 
 The ratio and the "+ms" columns say what a monitor costs a loop, with the machine's noise in them;
 this says where a step's time inside stabkit goes, per entry point, to the tens of microseconds. It
@@ -30,6 +31,11 @@ if TYPE_CHECKING:
 
 STEPS = 60
 """Timed steps per variant (six default sampling cycles)."""
+
+MEASURED_INSIDE_FORWARD = ("_measure",)
+"""Probe methods that run inside a module's forward rather than in a hook (the attention probe's
+measurement, from its handler of the attention call under the scope's torch-function mode): timed
+as entry points of their own, so a sampled step's attention statistics are counted."""
 
 
 @dataclass
@@ -92,6 +98,10 @@ def wrap_monitor(mon: Monitor, clock: _Clock) -> None:
         callback = getattr(probe, "_after_backward", None)
         if callback is not None:  # queued by name at each backward: an instance attribute wins
             probe._after_backward = clock.wrap(callback, "GradProbe._after_backward")  # type: ignore[attr-defined]
+        for method in MEASURED_INSIDE_FORWARD:
+            inner = getattr(probe, method, None)
+            if inner is not None:  # called by name from a handler inside the module's forward
+                setattr(probe, method, clock.wrap(inner, f"{type(probe).__name__}.{method}"))
 
 
 def measure(cfg: BenchConfig, variant: str) -> InHook:

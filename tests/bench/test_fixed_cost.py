@@ -159,3 +159,14 @@ def test_in_hook_summary_falls_back_to_sampled_steps_when_every_step_is_sampled(
     assert inside.unsampled_ms is None and inside.sampled_ms == pytest.approx(4.0)
     assert inside.top_of == "sampled" and list(inside.top) == ["a", "b"]
     assert "sampled, by entry point (ms): a 3.000, b 1.000" in inside.text("full")
+
+
+def test_in_hook_timer_counts_the_attention_measurement_inside_the_forward() -> None:
+    """The attention probe measures inside the attention module's forward (its handler of the call),
+    not in a hook: it is timed as an entry point of its own, so a sampled step's total holds it."""
+    from stabkit.bench.inhook import measure
+
+    torch.set_num_threads(1)
+    inside = measure(BenchConfig(size="tiny", warmup=2), "full")  # every step sampled: top is theirs
+    assert inside.top_of == "sampled"
+    assert inside.top.get("AttentionProbe._measure", 0.0) > 0.0
