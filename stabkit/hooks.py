@@ -16,6 +16,9 @@ Order at attach (the Monitor registers in this order, so hooks of the same event
    norm is recorded before it is judged;
 4. integrations (e.g. the Hugging Face callback's loss hook), through `Monitor.hooks`.
 
+Forward hooks registered with a ``cadence`` (they act only on steps that are multiples of it) may be
+off their module between those steps (`stabkit.hook_parking`); the order above holds whenever they run.
+
 `Registrar` is the same interface without bookkeeping, for code that changes the model on
 purpose (interventions) rather than observing it.
 """
@@ -30,12 +33,19 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .hook_parking import HookParking
+
 
 class Registrar:
     """Registers hooks directly (the interface `HookSet` keeps track of)."""
 
     def _keep(self, owner: str, what: str, handle: RemovableHandle) -> RemovableHandle:
         return handle
+
+    def _keep_forward(
+        self, owner: str, what: str, handle: RemovableHandle, module: nn.Module, cadence: int | None
+    ) -> RemovableHandle:
+        return self._keep(owner, what, handle)
 
     def forward_pre(
         self,
@@ -45,10 +55,15 @@ class Registrar:
         *,
         prepend: bool = False,
         with_kwargs: bool = False,
+        cadence: int | None = None,
     ) -> RemovableHandle:
-        """`module.register_forward_pre_hook`."""
+        """`module.register_forward_pre_hook`. `cadence`: the hook acts only on steps that are a
+        multiple of it (`COMPILED_ONLY`: only while torch.compile traces it); a `HookSet` may take it
+        off the module between those steps (`stabkit.hook_parking`). None: it acts on every step."""
         handle = module.register_forward_pre_hook(fn, prepend=prepend, with_kwargs=with_kwargs)
-        return self._keep(owner, f"forward pre-hook on {type(module).__name__}", handle)
+        return self._keep_forward(
+            owner, f"forward pre-hook on {type(module).__name__}", handle, module, cadence
+        )
 
     def forward(
         self,
@@ -59,12 +74,13 @@ class Registrar:
         prepend: bool = False,
         with_kwargs: bool = False,
         always_call: bool = False,
+        cadence: int | None = None,
     ) -> RemovableHandle:
-        """`module.register_forward_hook`."""
+        """`module.register_forward_hook` (`cadence`: as in `forward_pre`)."""
         handle = module.register_forward_hook(
             fn, prepend=prepend, with_kwargs=with_kwargs, always_call=always_call
         )
-        return self._keep(owner, f"forward hook on {type(module).__name__}", handle)
+        return self._keep_forward(owner, f"forward hook on {type(module).__name__}", handle, module, cadence)
 
     def backward_pre(self, owner: str, module: nn.Module, fn: Callable[..., Any]) -> RemovableHandle:
         """`module.register_full_backward_pre_hook`."""
@@ -166,14 +182,24 @@ DIRECT = Registrar()
 
 
 class HookSet(Registrar):
-    """The Monitor's hooks: kept in registration order, removed together (`remove`, safe twice)."""
+    """The Monitor's hooks: kept in registration order, removed together (`remove`, safe twice).
+    Forward hooks registered with a `cadence` are handed to `parking`, which takes them off their
+    module between the steps they act on (eager only; `stabkit.hook_parking`)."""
 
     def __init__(self) -> None:
         self._handles: list[tuple[str, str, RemovableHandle]] = []
+        self.parking = HookParking()
 
     def _keep(self, owner: str, what: str, handle: RemovableHandle) -> RemovableHandle:
         self._handles.append((owner, what, handle))
         return handle
+
+    def _keep_forward(
+        self, owner: str, what: str, handle: RemovableHandle, module: nn.Module, cadence: int | None
+    ) -> RemovableHandle:
+        if cadence is not None:
+            handle = self.parking.track(module, handle, cadence)
+        return self._keep(owner, what, handle)
 
     def describe(self) -> list[str]:
         """'owner: what' per registration, in order (hooks removed since then included)."""
@@ -188,6 +214,7 @@ class HookSet(Registrar):
 
     def remove(self, owner: str | None = None) -> None:
         """Remove the hooks of `owner` (every hook when None). Removing a handle twice is harmless."""
+        self.parking.restore_all()
         kept = []
         for entry in self._handles:
             if owner is None or entry[0] == owner:

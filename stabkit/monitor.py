@@ -408,10 +408,12 @@ class Monitor:
                 self.flush()
 
     def _refresh_phase(self) -> None:
-        """The step count changed: the probes' sampling decision follows (`ProbeContext.refresh`)."""
+        """The step count changed: the probes' sampling decision follows (`ProbeContext.refresh`), and
+        so do which of their hooks are on the model (`stabkit.hook_parking`)."""
         context: ProbeContext | None = getattr(self, "context", None)
         if context is not None:
             context.refresh()
+        self.hooks.parking.follow(self._step)
 
     def flush(self) -> None:
         """Copy pending statistics to the host (one transfer) and write them to every sink."""

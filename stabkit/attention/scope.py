@@ -137,6 +137,7 @@ def attach_scope(
     owner: str = "attention-scope",
     resolve: Callable[[Any], Handler | None] | None = None,
     on_enter: Callable[[str], None] | None = None,
+    cadence: int | None = None,
 ) -> ScopeHandle:
     """While each module at `paths` (``named_modules`` paths in `model`) runs, route the calls of
     `functions` to their handlers. `outer` picks the hook order (see the module docstring).
@@ -146,8 +147,9 @@ def attach_scope(
     forward with the number of calls handled. `hooks` registers the two hooks per module (a monitor's
     `HookSet` for probes). `resolve` picks a handler for functions not in `functions` (known attention
     kernels, by op name: `stabkit.attention.kernels.lookup`). `on_enter(path)` runs in each pre-hook
-    that pushes the mode (an intervention notes the module's grad mode). Returns a handle that removes
-    the hooks.
+    that pushes the mode (an intervention notes the module's grad mode). `cadence`: `enabled` is True
+    only on steps that are multiples of it (a monitor's `HookSet` may park the hooks between them:
+    `stabkit.hook_parking`). Returns a handle that removes the hooks.
     """
     handles: list[Any] = []
     for path in paths:
@@ -185,6 +187,8 @@ def attach_scope(
             if on_exit is not None:
                 on_exit(_path, mode.handled, output)
 
-        handles.append(hooks.forward_pre(owner, module, pre_hook, prepend=outer))
-        handles.append(hooks.forward(owner, module, post_hook, prepend=not outer, always_call=True))
+        handles.append(hooks.forward_pre(owner, module, pre_hook, prepend=outer, cadence=cadence))
+        handles.append(
+            hooks.forward(owner, module, post_hook, prepend=not outer, always_call=True, cadence=cadence)
+        )
     return ScopeHandle(handles, list(paths))

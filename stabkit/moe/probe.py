@@ -78,8 +78,10 @@ class MoEProbe(Probe):
         self.watch_forwards()
         for layer in layers:
             module = ctx.model.get_submodule(layer.logits.path)
-            self.handles.append(ctx.hooks.forward(self.name, module, partial(self._hook, layer)))
-        self.handles.append(ctx.hooks.forward(self.name, ctx.model, self._aux_hook))
+            self.handles.append(
+                ctx.hooks.forward(self.name, module, partial(self._hook, layer), cadence=ctx.config.every)
+            )
+        self.handles.append(ctx.hooks.forward(self.name, ctx.model, self._aux_hook, cadence=ctx.config.every))
 
     def _hook(self, layer: _Layer, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx

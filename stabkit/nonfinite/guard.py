@@ -39,6 +39,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ..discovery.trace import tracing
+from ..hook_parking import COMPILED_ONLY
 from ..hooks import DIRECT, Registrar
 from ..probes import first_tensor
 
@@ -142,7 +143,8 @@ class StepGuard:
         self._site_take: Callable[[Any], Any] | None = None
         if output_site is not None and check_output:
             path, self._site_take = output_site
-            self.handles.append(hooks.forward("step-guard", model.get_submodule(path), self._site_forward))
+            site = model.get_submodule(path)
+            self.handles.append(hooks.forward("step-guard", site, self._site_forward, cadence=COMPILED_ONLY))
 
     @property
     def forwards(self) -> list[KeptForward]:

@@ -52,7 +52,9 @@ class ActivationProbe(Probe):
         modules = dict(ctx.model.named_modules())
         self.watch_forwards()
         for path in self.paths:
-            self.handles.append(ctx.hooks.forward(self.name, modules[path], self._make_hook(path)))
+            self.handles.append(
+                ctx.hooks.forward(self.name, modules[path], self._make_hook(path), cadence=ctx.config.every)
+            )
 
     def _make_hook(self, path: str) -> Any:
         names = (metric(ACT, path, "rms"), metric(ACT, path, "absmax"), metric(ACT, path, "nonfinite"))

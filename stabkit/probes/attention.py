@@ -145,6 +145,7 @@ class AttentionProbe(Probe):
                 hooks=ctx.hooks,
                 owner=self.name,
                 resolve=self._kernel_handler,
+                cadence=every,
             )
             self._scopes.append(scope)
 

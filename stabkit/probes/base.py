@@ -76,10 +76,16 @@ class ProbeContext:
 
     def __post_init__(self) -> None:
         mm = self.model_map
-        self.forwards = TrainingForwards(self.model, [*mm.block_paths, *mm.attention_paths], self.hooks)
-        device = next((p.device for p in self.model.parameters()), torch.device("cpu"))
         cfg = self.config
-        self.phase = StepPhase(cfg.every, cfg.attention_every, device, deep_every=cfg.deep_cadence)
+        self.phase = StepPhase(
+            cfg.every,
+            cfg.attention_every,
+            next((p.device for p in self.model.parameters()), torch.device("cpu")),
+            deep_every=cfg.deep_cadence,
+        )
+        self.forwards = TrainingForwards(
+            self.model, [*mm.block_paths, *mm.attention_paths], self.hooks, cadence=self.phase.any_every
+        )
         self.refresh()
         self.recorder.gate = self.phase.on
 

@@ -54,9 +54,14 @@ class TrainingForwards:
     installed while at least one probe uses them (`acquire` / `release`).
     """
 
-    def __init__(self, model: nn.Module, paths: Iterable[str], hooks: Registrar = DIRECT) -> None:
+    def __init__(
+        self, model: nn.Module, paths: Iterable[str], hooks: Registrar = DIRECT, cadence: int | None = None
+    ) -> None:
         self.model = model
         self.hooks = hooks
+        self.cadence = cadence
+        """The steps the probes' hooks act on (`StepPhase.any_every`): the hooks may be parked between
+        them (`stabkit.hook_parking`); None: every step."""
         self.paths = ancestors(paths)
         self._stack: list[bool] = []
         self._users = 0
@@ -68,10 +73,14 @@ class TrainingForwards:
             for path in self.paths:
                 module = self.model.get_submodule(path)
                 self._handles.append(
-                    self.hooks.forward_pre("training-forwards", module, self._enter, prepend=True)
+                    self.hooks.forward_pre(
+                        "training-forwards", module, self._enter, prepend=True, cadence=self.cadence
+                    )
                 )
                 self._handles.append(
-                    self.hooks.forward("training-forwards", module, self._exit, always_call=True)
+                    self.hooks.forward(
+                        "training-forwards", module, self._exit, always_call=True, cadence=self.cadence
+                    )
                 )
         self._users += 1
 

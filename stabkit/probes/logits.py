@@ -47,7 +47,7 @@ class LogitProbe(Probe):
         self.where = where
         module = ctx.model.get_submodule(where.path)
         self.watch_forwards()
-        self.handles.append(ctx.hooks.forward(self.name, module, self._hook))
+        self.handles.append(ctx.hooks.forward(self.name, module, self._hook, cadence=ctx.config.every))
 
     def _hook(self, module: nn.Module, args: Any, output: Any) -> None:
         ctx = self.ctx

@@ -56,7 +56,9 @@ class OutlierProbe(Probe):
         self.watch_forwards()
         for path in self.paths:
             module = ctx.model.get_submodule(path)
-            self.handles.append(ctx.hooks.forward(self.name, module, self._make_hook(path)))
+            self.handles.append(
+                ctx.hooks.forward(self.name, module, self._make_hook(path), cadence=ctx.phase.deep_every)
+            )
 
     def _make_hook(self, path: str) -> Any:
         names = tuple(metric(ACT, path, s) for s in STATS)

@@ -29,6 +29,8 @@ tensor, updated in place: the compiled attention probe picks its rows and querie
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..stats.opaque import close_gate, open_gate
@@ -68,6 +70,13 @@ class StepPhase:
         self.round = torch.zeros((), dtype=torch.int64, device=device)
         """0-d int64 device tensor: ``step // attention_every`` (updated in place by `set`)."""
         self._round_value = 0
+
+    @property
+    def any_every(self) -> int:
+        """The cadence of the steps on which any statistic is taken (the gcd of the three: a step a
+        multiple of it may be sampled by one of them, no other step is). Hooks every probe relies on
+        (`stabkit.probes.forwards`) act on these steps."""
+        return math.gcd(self.every, self.attn_every, self.deep_every)
 
     def set(self, step: int) -> None:
         """The step in progress is now `step` (eager, outside any hook)."""
