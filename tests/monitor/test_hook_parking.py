@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from zoo import batch, lm_loss, reference_gpt, train_steps
+from zoo import FAMILIES, batch, forward_logits, lm_loss, reference_gpt, train_steps
 
 import stabkit
 from stabkit import hook_parking
@@ -75,6 +75,38 @@ def test_statistics_and_losses_are_those_of_hooks_left_in_place(monkeypatch: pyt
     bare_model = reference_gpt()
     bare = train_steps(bare_model, torch.optim.AdamW(bare_model.parameters(), lr=1e-3), None, 13)
     assert losses == bare
+
+
+@pytest.mark.parametrize(
+    "family", ["nanogpt", "hf_llama", "hf_llama_checkpointed", "encoder"], ids=lambda f: f
+)
+def test_other_models_train_and_measure_as_with_hooks_in_place(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through models stabkit did not write: a Hugging Face Llama (also with activation
+    checkpointing, whose recomputation runs forward hooks during backward), nanoGPT's fused
+    attention, an encoder built on ``nn.TransformerEncoder``."""
+
+    def run(park: bool) -> tuple[list[float], list[tuple[int, dict[str, float]]], int]:
+        monkeypatch.setattr(hook_parking, "PARK", park)
+        torch.manual_seed(0)
+        model = FAMILIES[family.removesuffix("_checkpointed")]()
+        if family.endswith("_checkpointed"):
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(every=3, attn_every=2, **QUIET))
+        losses = train_steps(lambda x: forward_logits(model, x), opt, mon, 7)
+        parked = mon.hooks.parking.parked  # step 7: neither cadence's
+        mon.detach()
+        return losses, list(mon.history), parked
+
+    losses, rows, parked = run(True)
+    kept_losses, kept_rows, _ = run(False)
+    assert parked > 0
+    assert losses == kept_losses
+    assert rows == kept_rows
+    assert any(k.startswith("act/") for k in dict(rows)[6])
 
 
 def test_parked_steps_follow_every_cadence() -> None:
