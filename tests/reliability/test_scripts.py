@@ -203,3 +203,34 @@ def test_compiled_and_trained_before_attach_still_gets_forward_statistics() -> N
     assert any(k.startswith("act/blocks.0") for k in mon.metrics)
     assert any(k.startswith("attn/blocks.0.attn") for k in mon.metrics)
     mon.detach()
+
+
+def test_attach_again_after_detach_resets_nothing_and_says_nothing_unless_something_compiled() -> None:
+    """Detach drops the code compiled with its hooks; a second attach with no compile in between has
+    nothing to drop, so it does not warn (Dynamo's counters survive a reset: the count is compared
+    with the one at stabkit's last reset). A compile in between is reset again, and said."""
+    torch.manual_seed(0)
+    model = reference_gpt()
+    compiled = torch.compile(model, backend="eager")
+    idx, tgt = batch(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        mon = stabkit.attach(compiled, config=stabkit.MonitorConfig(**QUIET))
+        loss = lm_loss(compiled(idx), tgt)  # compiled while attached
+        loss.backward()
+        mon.step(loss)
+        mon.detach()  # resets what was compiled with its hooks
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        again = stabkit.attach(compiled, config=stabkit.MonitorConfig(**QUIET))
+    assert [str(w.message) for w in said if "compiled code" in str(w.message)] == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = lm_loss(compiled(idx), tgt)  # compiled again, now with the second monitor's hooks
+        loss.backward()
+        again.step(loss)
+    assert any(k.startswith("act/blocks.0") for k in again.metrics)
+    again.detach()
+    torch.compile(lambda x: x * 2, backend="eager")(torch.ones(2))  # something new compiled
+    with pytest.warns(RuntimeWarning, match="torch.compile had compiled code"):
+        stabkit.attach(reference_gpt(), config=stabkit.MonitorConfig(**QUIET)).detach()
