@@ -1,6 +1,7 @@
 """What `stabkit.attach` checks and prepares before it wires anything, and the input check it puts
-on the model: unwrap torch.compile / DDP wrappers, reset code compiled without stabkit's hooks,
-refuse an optimizer holding foreign parameters, refuse an empty batch (a forward pre-hook)."""
+on the model: unwrap torch.compile / DDP wrappers, refuse an optimizer holding foreign parameters,
+refuse an empty batch (a forward pre-hook). Code compiled without stabkit's hooks is reset by
+`stabkit.compiled_code.forget_compiled_code`."""
 
 from __future__ import annotations
 
@@ -10,44 +11,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from .hook_parking import dynamo_frames
-
 
 def unwrap_compiled(model: nn.Module) -> nn.Module:
     """The module under a `torch.compile` wrapper (hooks go on it; names match eager), else `model`."""
     inner = getattr(model, "_orig_mod", None)
     return inner if isinstance(inner, nn.Module) else model
-
-
-_FRAMES_AT_RESET = [0]
-"""Dynamo's frame count (`dynamo_frames`) when `forget_compiled_code` last reset compiled code:
-process-wide, as Dynamo's cache is. Dynamo's counters survive ``torch._dynamo.reset()``."""
-
-
-def forget_compiled_code(warn: bool = True) -> None:
-    """At attach (and detach): when torch.compile has compiled code in this process since stabkit last
-    reset it, drop it, so the next call recompiles with stabkit's hooks (Dynamo does not guard on
-    module hooks by default, so code compiled before attach would run without them, and code
-    compiled while attached would keep calling hooks detach removed). Warns at attach: compiled
-    functions recompile once. Nothing compiled since the last reset (an attach after a detach, with
-    no compile between): nothing to drop, no warning."""
-    import sys
-
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return
-    frames = dynamo_frames()
-    if frames in (0, _FRAMES_AT_RESET[0]):  # 0: nothing compiled, or the counters were cleared
-        return
-    dynamo.reset()
-    _FRAMES_AT_RESET[0] = frames
-    if warn:
-        warnings.warn(
-            "stabkit: torch.compile had compiled code in this process before attach; it was reset so that "
-            "stabkit's hooks run (compiled models recompile once at their next call)",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
 
 def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:

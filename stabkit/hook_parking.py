@@ -18,13 +18,12 @@ Eager only. Dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``
 while hooks were off would run without them for good. Parking therefore stops for the rest of the run
 at the first ``torch.compile`` frame compiled in the process after attach (Dynamo's frame counter,
 read once a step), with every hook put back; when that frame was compiled while hooks were off, the
-compiled code is reset once (`stabkit.attach_checks.forget_compiled_code`) so it recompiles with them,
+compiled code is reset once (`stabkit.compiled_code.forget_compiled_code`) so it recompiles with them,
 and a warning says so. Training is unchanged either way: a parked hook would have done nothing.
 """
 
 from __future__ import annotations
 
-import sys
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,21 +32,14 @@ from typing import Any
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .compiled_code import dynamo_frames, forget_compiled_code
+
 COMPILED_ONLY = 0
 """A `cadence` for hooks that act only while torch.compile traces them (eager, they return at once):
 parked on every step while parking lasts (it stops at the first compile)."""
 
 PARK = True
 """False: never park (for comparing the two; `HookParking` reads it at each `follow`)."""
-
-
-def dynamo_frames() -> int:
-    """Frames torch.compile has compiled in this process so far (0 when Dynamo was never imported)."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is None:
-        return 0
-    frames = dynamo.utils.counters.get("frames")
-    return 0 if frames is None else int(frames.get("total", 0))
 
 
 def acts_on(cadence: int, step: int) -> bool:
@@ -163,8 +155,6 @@ class HookParking:
         compiled_while_parked = self.parked > 0
         self.restore_all()
         if compiled_while_parked:
-            from .attach_checks import forget_compiled_code
-
             forget_compiled_code(warn=False)
             warnings.warn(
                 "stabkit: torch.compile compiled code while stabkit's hooks for sampled steps were off "

@@ -33,9 +33,9 @@ from .attach_checks import (
     check_inputs,
     check_optimizer,
     check_schedule,
-    forget_compiled_code,
     unwrap_compiled,
 )
+from .compiled_code import forget_compiled_code
 from .config import MonitorConfig
 from .decisions import Decisions, Wiring
 from .detect_config import DetectConfig

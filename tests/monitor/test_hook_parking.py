@@ -206,7 +206,7 @@ def test_compiled_on_a_parked_step_is_recompiled_with_the_hooks() -> None:
 def test_compiled_on_a_sampled_step_stops_parking_without_a_reset(monkeypatch: pytest.MonkeyPatch) -> None:
     model, opt, mon = _attach(every=4, detect=None)
     resets: list[bool] = []
-    monkeypatch.setattr("stabkit.attach_checks.forget_compiled_code", lambda warn=True: resets.append(warn))
+    monkeypatch.setattr("stabkit.hook_parking.forget_compiled_code", lambda warn=True: resets.append(warn))
     forward = torch.compile(model, backend="eager")
     with warnings.catch_warnings(record=True) as said:
         warnings.simplefilter("always")
