@@ -215,3 +215,24 @@ def test_compiled_on_a_sampled_step_stops_parking_without_a_reset(monkeypatch: p
     assert mon.hooks.parking.stopped and resets == []
     assert "blocks.0" in _hooks(model)  # hooks stay on from the first compile on
     mon.detach()
+
+
+def test_a_parking_failure_warns_once_and_monitoring_goes_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose hook dicts parking cannot handle (injected: the park raises) gets one warning;
+    training and the statistics go on, with every hook in place."""
+    model, opt, mon = _attach(every=4)
+    at_attach = _hooks(model)
+
+    def broken(self: Any) -> None:
+        raise RuntimeError("hook dict of an unknown kind")
+
+    monkeypatch.setattr(hook_parking._Module, "park", broken)
+    with pytest.warns(RuntimeWarning, match="hook dict of an unknown kind"):
+        train_steps(model, opt, mon, 1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        train_steps(model, opt, mon, 4)  # said once; steps 1..4
+    assert mon.hooks.parking.stopped and _hooks(model) == at_attach
+    mon.flush()
+    assert dict(mon.history)[4]["act/blocks.0/rms"] > 0
+    mon.detach()
