@@ -32,7 +32,8 @@ after the reduction.
 
 from __future__ import annotations
 
-from typing import Any
+from operator import attrgetter
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -56,6 +57,18 @@ def parameter_units(model: nn.Module, block_of: Any) -> tuple[list[str], list[nn
         params.append(p)
         units.append(block_of(name) or (name.rsplit(".", 1)[0] if "." in name else name))
     return names, params, units
+
+
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_GRAD = attrgetter("grad")
+
+
+class GradNorms(NamedTuple):
+    """The gradient norms of one backward: float32 0-d device tensors, one per parameter in
+    `present` (positions in `GradProbe.params`; None: every parameter, the usual step)."""
+
+    present: list[int] | None
+    norms: list[torch.Tensor]
 
 
 class GradProbe(Probe):
@@ -85,8 +98,8 @@ class GradProbe(Probe):
         `_setup`) train, and the optimizer's groups. Runs once or twice a step, so it walks no module:
         the model's parameters are listed at `_setup`; a parameter new to the model is seen when it
         joins the optimizer (``add_param_group``, or a group's list grows)."""
-        trainable = [p.requires_grad for p in self._all_params]
-        groups = () if ctx.optimizer is None else [len(g["params"]) for g in ctx.optimizer.param_groups]
+        trainable = tuple(map(_REQUIRES_GRAD, self._all_params))
+        groups = () if ctx.optimizer is None else tuple(len(g["params"]) for g in ctx.optimizer.param_groups)
         return trainable, groups
 
     def _setup(self, ctx: ProbeContext) -> None:
@@ -116,7 +129,8 @@ class GradProbe(Probe):
                 for p in group["params"]:
                     if id(p) in where:
                         self.group_of[where[id(p)]] = g
-        self._grad_norms: list[torch.Tensor | None] = [None] * len(self.params)
+        self._grad_norms: GradNorms | None = None
+        """This step's per-parameter gradient norms (the newest backward's), None before one."""
         self.scaler = ctx.facts.scaler
         self._stepped = False
         self.skipped = False
@@ -153,21 +167,33 @@ class GradProbe(Probe):
 
     @guarded
     def _after_backward(self) -> None:
-        """End of a backward pass: the norm of every gradient so far, in one fused call."""
+        """End of a backward pass: the norm of every gradient so far, in one fused call. Gradients
+        only accumulate within a step, so the newest backward's norms replace the earlier ones."""
         self._queued = False
         ctx = self.ctx
         if ctx is not None and self._watched(ctx) != self._signature:  # unfrozen since: follow them
             self._setup(ctx)
-        every = [p.grad for p in self.params]
-        present = [i for i, g in enumerate(every) if g is not None]
-        grads: list[torch.Tensor] = every if len(present) == len(every) else [every[i] for i in present]  # type: ignore[assignment,misc]
+        grads = list(map(_GRAD, self.params))
+        present: list[int] | None = None  # None: every parameter has a gradient (the usual step)
+        if None in grads:
+            present = [i for i, g in enumerate(grads) if g is not None]
+            grads = [grads[i] for i in present]
+        if not grads:
+            return
         if self.dist.sharded:  # a DTensor gradient in its parameter's layout (Partial: a collective)
-            grads = [like_param(g, self.params[i]) for i, g in zip(present, grads, strict=True)]
+            grads = [
+                like_param(g, self.params[i]) for i, g in zip(self._indices(present), grads, strict=True)
+            ]
         if self._dtensors:
             grads = [local(g) for g in grads]
-        norms = foreach_norm_f32(grads) if grads else []
-        for i, n in zip(present, self._scaled(present, norms), strict=True):
-            self._grad_norms[i] = n
+        norms = foreach_norm_f32(grads)
+        if self.dist.active:
+            norms = self._scaled(self._indices(present), norms)
+        self._grad_norms = GradNorms(present, norms)
+
+    def _indices(self, present: list[int] | None) -> list[int]:
+        """Positions of the parameters `present` names (None: all of them)."""
+        return list(range(len(self.params))) if present is None else present
 
     def _scaled(self, idx: list[int], norms: Any) -> list[torch.Tensor]:
         """Local norms times each parameter's cross-rank scale (unchanged when not distributed)."""
@@ -205,28 +231,29 @@ class GradProbe(Probe):
     def _record_grads(self, sampled: bool) -> None:
         ctx = self.ctx
         assert ctx is not None
-        present = [(i, n) for i, n in enumerate(self._grad_norms) if n is not None]
-        if not present:
+        seen = self._grad_norms
+        if seen is None:
             return
         rec = ctx.recorder
         # with a GradScaler the norms were taken on scaled gradients; its scale is unchanged until update()
         unscale = None if self.scaler is None else 1.0 / self.scaler._scale.reshape(()).float()
 
-        def combined(norms: list[torch.Tensor]) -> torch.Tensor:
-            total = l2_of_norms(norms)
+        def combined(norms: list[torch.Tensor]) -> torch.Tensor:  # float32 0-d each, never empty
+            total = torch.linalg.vector_norm(torch.stack(norms))
             return total if unscale is None else total * unscale
 
-        rec.add("grad/global_norm", combined([n for _, n in present]), reduction="l2")
+        rec.add("grad/global_norm", combined(seen.norms), reduction="l2")
         if not sampled:
             return
-        for u, value in self._per_unit([i for i, _ in present], [n for _, n in present]):
+        idx = self._indices(seen.present)
+        for u, value in self._per_unit(idx, seen.norms):
             rec.add(
                 self.unit_metric[GRAD, "norm"][u],
                 value if unscale is None else value * unscale,
                 reduction="l2",
             )
-        for g in sorted({self.group_of[i] for i, _ in present if self.group_of[i] >= 0}):
-            sub = [n for i, n in present if self.group_of[i] == g]
+        for g in sorted({self.group_of[i] for i in idx if self.group_of[i] >= 0}):
+            sub = [n for i, n in zip(idx, seen.norms, strict=True) if self.group_of[i] == g]
             rec.add(f"grad/param_group.{g}/norm", combined(sub), reduction="l2")
 
     def _post_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -314,12 +341,12 @@ class GradProbe(Probe):
         assert ctx is not None
         if ctx.optimizer is None:
             self.before_update()
-        had_grads = any(n is not None for n in self._grad_norms)
+        had_grads = self._grad_norms is not None
         self.skipped = ctx.optimizer is not None and had_grads and not self._stepped
         ctx.facts.update_skipped = self.skipped
         self._stepped = False
         self._record_amp(ctx)
         self._queued = False  # a backward that raised never ran its callback
-        self._grad_norms = [None] * len(self.params)
+        self._grad_norms = None
         if self._watched(ctx) != self._signature:  # unfrozen parameters, a new param group
             self._setup(ctx)

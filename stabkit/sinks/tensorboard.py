@@ -1,22 +1,26 @@
 """TensorBoard sink: scalars named as metrics, events as scalars and text, per-layer multiline charts.
 
 Runs at each log interval (after the host copy) and on every event; never computes statistics.
-TensorBoard writes from a background thread; when the disk refuses a write, that thread stops and
-the next call here raises its OSError (`SinkSet` then warns once and switches this sink off), so
-the thread's own traceback is not printed as well (`quiet_writer_thread_errors`).
+Events go to a `stabkit.sinks.event_file.EventFile`, written in the caller's thread at each flush
+(TensorBoard's own writer hands every event to a thread through a queue of ten, which cost the
+training thread more than the writing); when the disk refuses a write the flush raises its OSError
+(`SinkSet` then warns once and switches this sink off). The summaries are the ones
+``torch.utils.tensorboard`` makes (`scalar`, `text`, `histogram_raw`, `custom_scalars`).
 """
 
 from __future__ import annotations
 
 import re
-import threading
 from pathlib import Path
 from typing import Any
 
 from tensorboard.compat.proto.summary_pb2 import Summary
+from torch.utils.tensorboard.summary import custom_scalars, histogram_raw, scalar
+from torch.utils.tensorboard.summary import text as text_summary
 
 from ..events import Event
 from .checksums import use_fast_checksums
+from .event_file import EventFile
 
 
 def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
@@ -36,37 +40,14 @@ def custom_scalar_layout(names: list[str]) -> dict[str, dict[str, list[Any]]]:
 VECTOR = re.compile(r"^(.+)\[(\d+)\]$")
 """A vector metric's entry: ``name[i]``."""
 
-_quiet = False
-
-
-def quiet_writer_thread_errors() -> None:
-    """Once per process, when the first TensorBoard sink is made: an OSError that ends TensorBoard's
-    writer thread is not printed by `threading.excepthook` (the sink raises it in the caller's
-    thread, where stabkit reports it); every other thread error goes to the previous hook."""
-    global _quiet
-    if _quiet:
-        return
-    _quiet = True
-    previous = threading.excepthook
-
-    def hook(args: threading.ExceptHookArgs) -> None:
-        if isinstance(args.exc_value, OSError) and type(args.thread).__name__ == "_AsyncWriterThread":
-            return
-        previous(args)
-
-    threading.excepthook = hook
-
 
 class TensorBoardSink:
-    """Writes to `logdir` with torch.utils.tensorboard's SummaryWriter."""
+    """Writes a TensorBoard event file in `logdir`."""
 
     def __init__(self, logdir: str | Path) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
         self.label = f"TensorBoard events in {logdir}"
-        quiet_writer_thread_errors()
         use_fast_checksums()  # C checksums when google-crc32c is installed (stabkit[fast])
-        self.writer = SummaryWriter(log_dir=str(logdir))
+        self.file = EventFile(logdir)
         self._layout_names: set[str] = set()
 
     def write_metrics(self, step: int, values: dict[str, float]) -> None:
@@ -81,11 +62,11 @@ class TensorBoardSink:
         summary = Summary(
             value=[Summary.Value(tag=name, simple_value=value) for name, value in values.items()]
         )
-        self.writer._get_file_writer().add_summary(summary, step)
+        self.file.add_summary(summary, step)
         new = set(values) - self._layout_names
         if new:
             self._layout_names |= new
-            self.writer.add_custom_scalars(custom_scalar_layout(sorted(self._layout_names)))
+            self.file.add_summary(custom_scalars(custom_scalar_layout(sorted(self._layout_names))))
 
     def write_vectors(self, step: int, entries: dict[str, float]) -> None:
         """Vector metrics as histograms: ``name[i] = x`` puts weight x in the bucket of i (so a MoE
@@ -99,7 +80,7 @@ class TensorBoardSink:
             n = max(by_index) + 1
             counts = [max(0.0, by_index.get(i, 0.0)) for i in range(n)]
             total = sum(counts)
-            self.writer.add_histogram_raw(
+            summary = histogram_raw(
                 tag,
                 min=0.0,
                 max=float(n - 1),
@@ -108,27 +89,28 @@ class TensorBoardSink:
                 sum_squares=sum(i * i * c for i, c in enumerate(counts)),
                 bucket_limits=[i + 0.5 for i in range(n)],
                 bucket_counts=counts,
-                global_step=step,
             )
+            self.file.add_summary(summary, step)
 
     def write_event(self, event: Event) -> None:
         """An event as its own scalar (`events/<kind>`, not hidden by outlier scaling; `events/<severity>`
         = 1 at its step) and as text with its severity; flushed."""
-        self.writer.add_scalar(f"events/{event.kind}", event.value, event.step)
-        self.writer.add_scalar(f"events/{event.severity}", 1.0, event.step)
-        self.writer.add_text(f"events/{event.kind}", f"**{event.severity.upper()}** {event}", event.step)
-        self.writer.flush()
+        self.file.add_summary(scalar(f"events/{event.kind}", event.value), event.step)
+        self.file.add_summary(scalar(f"events/{event.severity}", 1.0), event.step)
+        self.file.add_summary(
+            text_summary(f"events/{event.kind}", f"**{event.severity.upper()}** {event}"), event.step
+        )
+        self.file.flush()
 
     def write_record(self, kind: str, data: dict[str, Any]) -> None:
         """Records are for the JSONL log: nothing to do here."""
 
     def write_text(self, tag: str, text: str, step: int = 0) -> None:
         """Free text (audit report, active interventions)."""
-        self.writer.add_text(tag, text, step)
+        self.file.add_summary(text_summary(tag, text), step)
 
     def flush(self) -> None:
-        self.writer.flush()
+        self.file.flush()
 
     def close(self) -> None:
-        self.writer.flush()
-        self.writer.close()
+        self.file.close()

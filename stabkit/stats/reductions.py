@@ -63,10 +63,18 @@ def row_norms_f32(x: torch.Tensor) -> torch.Tensor:
 def foreach_norm_f32(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Per-tensor L2 norms as float32 0-d tensors: one fused ``_foreach_norm`` for the tensors of
     at most 32 bits (accumulated in float32) and one for wider ones (float64: normed in float64,
-    then cast; torch refuses ``dtype=float32`` for them)."""
+    then cast; torch refuses ``dtype=float32`` for them). Runs every step (the gradient norms):
+    the usual all-narrow list is tried first, without a per-tensor dtype scan in Python."""
+    if not tensors:
+        return []
+    if not torch.compiler.is_compiling():
+        try:
+            return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
+        except RuntimeError:  # a float64 tensor: torch will not narrow inside the norm
+            pass
     wide = [t.dtype.itemsize > 4 for t in tensors]
-    if not any(wide):
-        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32)) if tensors else []
+    if not any(wide):  # refused for another reason: say it as torch does
+        return list(torch._foreach_norm(tensors, 2, dtype=torch.float32))
     narrow_idx = [i for i, w in enumerate(wide) if not w]
     wide_idx = [i for i, w in enumerate(wide) if w]
     out: dict[int, torch.Tensor] = {}
