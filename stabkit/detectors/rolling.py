@@ -2,12 +2,19 @@
 
 Used by the host-side detectors when they consume a value (at the log interval, or every step
 when an action needs a per-step decision). Pure Python; checkpointable.
+
+The spike detectors ask every watched series, for every row, for the scatter of the window's
+successive differences (`RollingWindow.recent_level_noise`): the differences are kept sorted as
+values come and go (`bisect`), and their median absolute deviation is selected from them in
+O(log n) (`_kth_deviation`) instead of re-sorting the 127 differences of a 128-value window twice per
+value — the largest item of a log interval's host work on a small step before.
 """
 
 from __future__ import annotations
 
 import math
 import operator
+from bisect import bisect_left, insort
 from collections import deque
 from collections.abc import Iterable
 from typing import Any
@@ -27,17 +34,36 @@ class RollingWindow:
         self._pushes = 0
         self._nans = 0
         """NaN values in the window, kept as values come and go (no scan per question)."""
+        self._diffs: list[float] | None = []
+        """The window's successive differences (b − a of each neighbouring pair), sorted, kept as
+        values come and go; None: to be rebuilt from the values when next asked (after a NaN, a
+        rollback or a restore)."""
 
     def __len__(self) -> int:
         return len(self.values)
 
     def push(self, x: float) -> None:
         """Append `x` (dropping the oldest when full)."""
-        if len(self.values) == self.size:
-            old = self.values[0]
+        values = self.values
+        diffs = self._diffs
+        if len(values) == self.size:
+            old = values[0]
             self._sum -= old
             self._sq -= old * old
             self._nans -= old != old
+            if diffs is not None and len(values) > 1:
+                gone = values[1] - old
+                i = bisect_left(diffs, gone)
+                if i < len(diffs) and diffs[i] == gone:
+                    del diffs[i]
+                else:  # a NaN difference (never kept) or a size-1 window: rebuild when asked
+                    self._diffs = diffs = None
+        if diffs is not None and values:
+            new = x - values[-1]
+            if new == new:
+                insort(diffs, new)
+            else:
+                self._diffs = None
         self._nans += x != x
         self.values.append(x)
         self._sum += x
@@ -51,6 +77,7 @@ class RollingWindow:
         """Forget the `n` newest values (a rollback undid the steps that pushed them)."""
         for _ in range(min(n, len(self.values))):
             self.values.pop()
+        self._diffs = None
         self._nans = sum(v != v for v in self.values)
         self._sum = math.fsum(self.values)
         self._sq = math.fsum(v * v for v in self.values)
@@ -92,12 +119,19 @@ class RollingWindow:
         newest = sorted(values[-recent:])
         level = median_sorted(newest)
         around = MAD_TO_SIGMA * median_sorted(sorted(map(abs, map(level.__rsub__, newest))))
-        diffs = list(map(operator.sub, values[1:], values[:-1]))  # b − a of each successive pair
+        diffs = self._sorted_diffs()
         if len(diffs) < 2:
             return level, around
-        mid = median_sorted(sorted(diffs))
-        steps = MAD_TO_SIGMA * median_sorted(sorted(map(abs, map(mid.__rsub__, diffs)))) / math.sqrt(2.0)
+        mid = median_sorted(diffs)
+        steps = MAD_TO_SIGMA * median_deviation(diffs, mid) / math.sqrt(2.0)
         return level, max(steps, around)
+
+    def _sorted_diffs(self) -> list[float]:
+        """The window's successive differences, sorted (rebuilt here when they were dropped)."""
+        if self._diffs is None:
+            values = list(self.values)
+            self._diffs = sorted(map(operator.sub, values[1:], values[:-1]))  # b − a of each pair
+        return self._diffs
 
     def state_dict(self) -> dict[str, Any]:
         """Plain, JSON-ready state."""
@@ -110,6 +144,7 @@ class RollingWindow:
                 f"rolling window size changed: checkpoint has {state['size']}, config has {self.size}"
             )
         self.values = deque((float(v) for v in state["values"]), maxlen=self.size)
+        self._diffs = None
         self._nans = sum(v != v for v in self.values)
         self._sum = math.fsum(self.values)
         self._sq = math.fsum(v * v for v in self.values)
@@ -122,6 +157,39 @@ def median_sorted(ordered: list[float]) -> float:
     which the spike detectors ask for every watched series at every consumed step."""
     n = len(ordered)
     return ordered[n // 2] if n % 2 else (ordered[n // 2 - 1] + ordered[n // 2]) / 2
+
+
+def median_deviation(ordered: list[float], center: float) -> float:
+    """Median of ``|x − center|`` over the sorted list `ordered` (numpy's median: the mean of the two
+    middle values of an even count), the same floats as sorting the deviations: those below `center`
+    and those at or above it are each already in order, so the middle ones are selected from the two
+    runs (`_kth_deviation`) in O(log n)."""
+    n = len(ordered)
+    split = bisect_left(ordered, center)
+    if n % 2:
+        return _kth_deviation(ordered, center, split, n // 2)
+    return (
+        _kth_deviation(ordered, center, split, n // 2 - 1) + _kth_deviation(ordered, center, split, n // 2)
+    ) / 2
+
+
+def _kth_deviation(ordered: list[float], center: float, split: int, k: int) -> float:
+    """The `k`-th smallest (from 0) of ``|x − center|`` over sorted `ordered`, whose first `split`
+    values are below `center`: the deviations ``center − ordered[split−1−i]`` (left run, i = 0..) and
+    ``ordered[split+j] − center`` (right run) each increase, so take i from the left and k+1−i from
+    the right for the smallest i whose next left deviation is not below the right run's last taken."""
+    n_left, n_right = split, len(ordered) - split
+    lo, hi = max(0, k + 1 - n_right), min(k + 1, n_left)
+    while lo < hi:
+        i = (lo + hi) // 2
+        if center - ordered[split - 1 - i] < ordered[split + k - i] - center:
+            lo = i + 1
+        else:
+            hi = i
+    taken_right = k + 1 - lo
+    left = center - ordered[split - lo] if lo else -math.inf
+    right = ordered[split + taken_right - 1] - center if taken_right else -math.inf
+    return max(left, right)
 
 
 def loss_falls(losses: Iterable[tuple[int, float]], start: int, end: int) -> bool | None:

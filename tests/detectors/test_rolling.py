@@ -3,13 +3,14 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
 import numpy as np
 import pytest
 
-from stabkit.detectors.rolling import MAD_TO_SIGMA, RollingWindow
+from stabkit.detectors.rolling import MAD_TO_SIGMA, RollingWindow, median_deviation, median_sorted
 
 
 def _expected(values: list[float], recent: int) -> tuple[float, float]:
@@ -68,3 +69,58 @@ def test_nan_bookkeeping_survives_drop_and_restore() -> None:
     restored = RollingWindow(5)
     restored.load_state_dict(window.state_dict())
     assert all(math.isnan(v) for v in restored.median_sigma())
+
+
+def _sorted_reference(values: list[float], recent: int) -> tuple[float, float]:
+    """`recent_level_noise` as it was written before the differences were kept sorted: every list
+    re-sorted per question (the same floats are expected, bit for bit)."""
+    newest = sorted(values[-recent:])
+    level = median_sorted(newest)
+    around = MAD_TO_SIGMA * median_sorted(sorted(abs(v - level) for v in newest))
+    diffs = [b - a for a, b in itertools.pairwise(values)]
+    if len(diffs) < 2:
+        return level, around
+    mid = median_sorted(sorted(diffs))
+    steps = MAD_TO_SIGMA * median_sorted(sorted(abs(d - mid) for d in diffs)) / math.sqrt(2.0)
+    return level, max(steps, around)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_median_deviation_selects_what_sorting_the_deviations_gives(seed: int) -> None:
+    rng = random.Random(seed)
+    for n in range(1, 60):
+        draw = rng.choice([lambda: rng.gauss(0, 1), lambda: float(rng.randint(-3, 3)), lambda: 1.5])
+        ordered = sorted(draw() for _ in range(n))  # ties, a constant list, negatives
+        for center in (median_sorted(ordered), ordered[0], ordered[-1], rng.uniform(-5, 5)):
+            want = median_sorted(sorted(abs(x - center) for x in ordered))
+            assert median_deviation(ordered, center) == want, (ordered, center)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_kept_sorted_differences_follow_pushes_nans_rollbacks_and_restores(seed: int) -> None:
+    rng = random.Random(seed)
+    window = RollingWindow(16)
+    pushed: list[float] = []
+    for t in range(300):
+        roll = rng.random()
+        if roll < 0.03:
+            x = math.nan
+        elif roll < 0.3:
+            x = float(rng.randint(0, 4))  # repeated values and zero differences
+        else:
+            x = rng.lognormvariate(0, 1)
+        window.push(x)
+        pushed.append(x)
+        if t % 37 == 36:  # a rollback takes values back
+            window.drop_newest(3)
+            del pushed[-3:]
+        if t % 53 == 52:  # a restore from a checkpoint
+            restored = RollingWindow(16)
+            restored.load_state_dict(window.state_dict())
+            window = restored
+        kept = pushed[-len(window) :]  # after a rollback the window holds fewer values
+        got = window.recent_level_noise(5)
+        if any(math.isnan(v) for v in kept):
+            assert all(math.isnan(v) for v in got)
+        else:
+            assert got == _sorted_reference(kept, 5)
