@@ -175,7 +175,7 @@ class GradProbe(Probe):
             self._setup(ctx)
         grads = list(map(_GRAD, self.params))
         present: list[int] | None = None  # None: every parameter has a gradient (the usual step)
-        if None in grads:
+        if any(g is None for g in grads):  # never `None in grads`: that compares tensors with ==
             present = [i for i, g in enumerate(grads) if g is not None]
             grads = [grads[i] for i in present]
         if not grads:
