@@ -1,6 +1,8 @@
 """stabkit's own time per step: a timer around each hook the monitor registered, the gradient
 probe's end-of-backward callback, the attention probe's measurement (inside the attention module's
-forward) and `Monitor.step` (`stabkit bench --in-hook`).
+forward) and `Monitor.step` (`stabkit bench --in-hook`); and, apart, the log interval's flush (the host copy,
+the detectors' judgement of the rows, the sinks' writes), which one step in `log_every` pays and a
+median over steps never shows.
 
 The ratio and the "+ms" columns say what a monitor costs a loop, with the machine's noise in them;
 this says where a step's time inside stabkit goes, per entry point, to the tens of microseconds. It
@@ -48,15 +50,26 @@ class InHook:
     """Median ms per step of each entry point (hook function), largest first: over the unsampled
     steps, or the sampled ones when every step is sampled (`top_of`)."""
     top_of: str = "unsampled"
+    flush_ms: float | None = None
+    """Median milliseconds of a log interval's flush (`Monitor.flush` inside `Monitor.step`), None
+    when none was timed."""
+    log_every: int | None = None
+    """The rows (steps) one flush writes: its cost a step is ``flush_ms / log_every``."""
 
     def text(self, name: str) -> str:
         def ms(x: float | None) -> str:
             return "-" if x is None else f"{x:.3f} ms"
 
         parts = ", ".join(f"{k} {v:.3f}" for k, v in list(self.top.items())[:5])
+        flush = ""
+        if self.flush_ms is not None and self.log_every:
+            flush = (
+                f"; log interval: {self.flush_ms:.2f} ms a flush of {self.log_every} rows "
+                f"({self.flush_ms / self.log_every:.3f} ms a step)"
+            )
         return (
             f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step, {ms(self.sampled_ms)} per "
-            f"sampled step (median of {STEPS}); {self.top_of}, by entry point (ms): {parts or '-'}"
+            f"sampled step (median of {STEPS}); {self.top_of}, by entry point (ms): {parts or '-'}{flush}"
         )
 
 
@@ -112,6 +125,7 @@ def measure(cfg: BenchConfig, variant: str) -> InHook:
     assert mcfg is not None
     tr = _Trainer(cfg, make_batches(cfg))
     clock = _Clock()
+    flushes: list[float] = []
     with tempfile.TemporaryDirectory(prefix="stabkit-inhook-") as tmp:
         mon = tr.monitor = attach(tr.model, tr.opt, logdir=tmp, config=mcfg)
         try:
@@ -119,15 +133,39 @@ def measure(cfg: BenchConfig, variant: str) -> InHook:
             step = clock.wrap(mon.step, "Monitor.step")
             mon.step = step  # type: ignore[method-assign]
             tr.run(max(cfg.warmup, 2))
+            mon.flush = _timed(mon.flush, flushes)  # type: ignore[method-assign]
             rows: list[tuple[bool, dict[str, float]]] = []
             for _ in range(STEPS):
                 sampled = mon.global_step % mon.config.every == 0
                 clock.spent = {}
                 tr.run(1)
                 rows.append((sampled, dict(clock.spent)))
+            for _ in range(mon.config.log_every):  # no log interval ended in the window: go to the next
+                if flushes:
+                    break
+                tr.run(1)
+            del mon.flush  # detach's own flush is not a log interval's
         finally:
             mon.detach()
-    return _summary(rows)
+    summary = _summary(rows)
+    if flushes:
+        summary.flush_ms = 1e3 * statistics.median(flushes)
+        summary.log_every = mcfg.log_every
+    return summary
+
+
+def _timed(fn: Callable[[], None], durations: list[float]) -> Callable[[], None]:
+    """`fn` that appends each call's seconds to `durations`."""
+
+    @functools.wraps(fn)
+    def timed() -> None:
+        start = time.perf_counter()
+        try:
+            fn()
+        finally:
+            durations.append(time.perf_counter() - start)
+
+    return timed
 
 
 def _summary(rows: list[tuple[bool, dict[str, float]]]) -> InHook:

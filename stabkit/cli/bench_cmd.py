@@ -78,7 +78,8 @@ bench's own shapes (`stabkit.bench.presets.BENCH_PRESETS`); a test keeps them eq
     "in_hook",
     is_flag=True,
     help="Also time stabkit's own calls (its hooks, the end-of-backward callback, Monitor.step) per sampled "
-    "and unsampled step of each monitored variant, on a fresh model after the rounds.",
+    "and unsampled step of each monitored variant, and the log interval's flush apart, on a fresh model "
+    "after the rounds.",
 )
 @click.option(
     "--paired",

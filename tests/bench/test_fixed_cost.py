@@ -140,6 +140,23 @@ def test_in_hook_timer_names_stabkits_entry_points_per_kind_of_step() -> None:
     assert inside.text("default").startswith("in stabkit, default: ")
 
 
+def test_in_hook_times_the_log_intervals_flush_apart() -> None:
+    """The flush is one step in `log_every`: a median over steps never shows it, so it is timed
+    apart — inside the timed window (default: a flush at step 50 of 60) or on the way to the next
+    log interval (every100: past the window), never detach's own flush."""
+    from stabkit.bench.inhook import STEPS, measure
+
+    torch.set_num_threads(1)
+    for variant, log_every in (("default", 50), ("every100", 100)):
+        inside = measure(BenchConfig(size="tiny", warmup=2), variant)
+        assert inside.log_every == log_every
+        assert inside.flush_ms is not None and inside.flush_ms > 0
+        text = inside.text(variant)
+        assert f"log interval: {inside.flush_ms:.2f} ms a flush of {log_every} rows" in text
+        assert f"({inside.flush_ms / log_every:.3f} ms a step)" in text
+    assert STEPS < 100  # so every100 did run on to its first log interval
+
+
 def test_bench_cli_small_step_paired_in_hook(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     args = ["bench", "--size", "tiny", "--steps", "2", "--repeats", "1", "--variants", "bare,default"]
@@ -149,6 +166,7 @@ def test_bench_cli_small_step_paired_in_hook(tmp_path: Path) -> None:
     assert "in stabkit, default: " in result.output and "paired" in result.output
     data = json.loads(out.read_text())
     assert data["in_hook_ms"]["default"]["unsampled_ms"] > 0
+    assert data["in_hook_ms"]["default"]["flush_ms"] > 0 and data["in_hook_ms"]["default"]["log_every"] == 50
     assert data["config"]["machine"]["threads"] >= 1
 
 
