@@ -56,9 +56,9 @@ class RollingWindow:
                 i = bisect_left(diffs, gone)
                 if i < len(diffs) and diffs[i] == gone:
                     del diffs[i]
-                else:  # a NaN difference (never kept) or a size-1 window: rebuild when asked
+                else:  # a NaN difference (never kept): rebuild when asked
                     self._diffs = diffs = None
-        if diffs is not None and values:
+        if diffs is not None and values and self.size > 1:  # the newest value stays beside `x`
             new = x - values[-1]
             if new == new:
                 insort(diffs, new)
