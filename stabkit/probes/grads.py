@@ -184,10 +184,10 @@ class GradProbe(Probe):
             self._setup(ctx)
         grads = list(map(_GRAD, self.params))
         present: list[int] | None = None  # None: every parameter has a gradient (the usual step)
-        if any(map(_IS_NONE, grads)) and ctx is not None and not all(map(_REQUIRES_GRAD, self.params)):
-            self._setup(ctx)  # frozen since the lists were made: they no longer hold it
-            grads = list(map(_GRAD, self.params))
         if any(map(_IS_NONE, grads)):
+            if ctx is not None and not all(map(_REQUIRES_GRAD, self.params)):
+                self._setup(ctx)  # frozen since the lists were made: they no longer hold it
+                grads = list(map(_GRAD, self.params))
             present = [i for i, g in enumerate(grads) if g is not None]
             grads = [grads[i] for i in present]
         if not grads:
