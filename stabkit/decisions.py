@@ -163,6 +163,7 @@ class Decisions:
             muted=w.muted,
             facts=w.facts,
             output_site=_output_site(w.model_map),
+            step=w.step,
         )
 
     @property

@@ -81,6 +81,9 @@ class DeviceContext:
     deep_every: int | None = None
     """`MonitorConfig.deep_cadence`: how often the whole-model checks run by default (None:
     `sampled_every`)."""
+    step: Callable[[], int] | None = None
+    """The index of the step in progress (completed `Monitor.step` calls; None: unknown, every step
+    counts as due), for checks made on some steps only, read outside traced code."""
 
     @property
     def scaled(self) -> bool:

@@ -122,9 +122,14 @@ class StepGuard:
         hooks: Registrar = DIRECT,
         output_site: tuple[str, Callable[[Any], Any]] | None = None,
         keep_inputs: bool = True,
+        output_every: int = 1,
+        step: Callable[[], int] | None = None,
     ) -> None:
         self.record = record
         self.check_output = check_output
+        self.output_every = output_every
+        """The output is checked on the eager steps that are multiples of it (traced: every step)."""
+        self._step = step
         self.keep_inputs = keep_inputs
         """Keep each forward's inputs, RNG and autocast state (a replay, a dump or a rescue reads
         them). False when nothing can: no pre-hook then, and the output check is all the step costs."""
@@ -139,7 +144,11 @@ class StepGuard:
         if keep_inputs:
             self.handles.append(hooks.forward_pre("step-guard", model, self._pre_forward, with_kwargs=True))
         if keep_inputs or check_output:
-            self.handles.append(hooks.forward("step-guard", model, self._post_forward, with_kwargs=True))
+            # only the output check: the hook is parked between the steps it checks (`hook_parking`)
+            cadence = None if keep_inputs or output_every == 1 else output_every
+            self.handles.append(
+                hooks.forward("step-guard", model, self._post_forward, with_kwargs=True, cadence=cadence)
+            )
         self._site_take: Callable[[Any], Any] | None = None
         if output_site is not None and check_output:
             path, self._site_take = output_site
@@ -184,7 +193,7 @@ class StepGuard:
             out = first_tensor(output)
         except TypeError:
             return
-        if self.check_output and not (self._site_take is not None and torch.compiler.is_compiling()):
+        if self.check_output and self._output_due():
             self._check(out)
         if self.keep_grad and kept is not None and out.requires_grad:
 
@@ -192,6 +201,14 @@ class StepGuard:
                 kept.output_grad = grad.detach()
 
             out.register_hook(keep)
+
+    def _output_due(self) -> bool:
+        """In the root's forward hook: whether this forward's output is checked here — eager, on the
+        steps of `output_every`; traced, every step, in the logits' own hook when there is one
+        (`_site_forward`), else here (no step read in traced code: it would guard on it)."""
+        if torch.compiler.is_compiling():
+            return self._site_take is None
+        return self.output_every == 1 or self._step is None or self._step() % self.output_every == 0
 
     def _site_forward(self, module: nn.Module, args: Any, output: Any) -> None:
         """Forward hook of the module that yields the final logits: the output check, when traced.

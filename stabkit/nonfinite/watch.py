@@ -2,8 +2,10 @@
 
 Built by `NonfiniteDetector.device_checks` at attach (the detectors' extension point,
 `stabkit.detectors.device`: the methods below are its moments). What it owns and when each runs:
-- `StepGuard` (root forward pre-/post-hooks, every training forward): keeps the step's inputs for a
-  replay and flags a non-finite model output; `FiniteTracer` with ``per_module`` (every module);
+- `StepGuard` (root forward pre-/post-hooks, training forwards): keeps the step's inputs for a
+  replay (every forward) and flags a non-finite model output (`NonfiniteOptions.output_check_every`:
+  every step when decided per step, else on sampled steps); `FiniteTracer` with ``per_module``
+  (every module);
 - `before_update` (optimizer step pre-hook): one device flag from the global gradient norm (or the
   gradients themselves), the output flag and the tracer; decided now when the kind is decided
   every step, and then, on the steps the optimizer-state check runs, a negative Adam second moment
@@ -86,6 +88,14 @@ class NonfiniteWatch(DeviceChecks):
             ctx.hooks,
             output_site=ctx.output_site,
             keep_inputs=self.per_step or acting,
+            output_every=(
+                options.output_check_every
+                if options.output_check_every is not None
+                else 1
+                if self.per_step
+                else ctx.sampled_every
+            ),
+            step=ctx.step,
         )
         self.tracer = FiniteTracer(model, hooks=ctx.hooks) if options.per_module else None
         self.open = False
