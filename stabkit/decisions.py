@@ -147,8 +147,8 @@ class Decisions:
     def _device_context(self, kind: str) -> DeviceContext:
         w = self.wiring
 
-        def record(name: str, value: torch.Tensor) -> None:
-            w.recorder.add(name, value, combine="max", reduction="max")
+        def record(name: str, value: torch.Tensor, every: int | None = None) -> None:
+            w.recorder.add(name, value, combine="max", reduction="max", every=every)
 
         return DeviceContext(
             w.model,

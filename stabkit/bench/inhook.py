@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 from ..attaching import attach
 
 if TYPE_CHECKING:
@@ -33,11 +35,16 @@ if TYPE_CHECKING:
 
 STEPS = 60
 """Timed steps per variant (six default sampling cycles)."""
+PROFILED = 20
+"""Unsampled steps run with stabkit's torch ops timed, after the timed ones, for the Python / torch-op
+split (`python_split`)."""
 
-MEASURED_INSIDE_FORWARD = ("_measure",)
+MEASURED_INSIDE_FORWARD = ("_measure", "_measure_pending")
 """Probe methods that run inside a module's forward rather than in a hook (the attention probe's
-measurement, from its handler of the attention call under the scope's torch-function mode): timed
-as entry points of their own, so a sampled step's attention statistics are counted."""
+handler of the attention call under the scope's torch-function mode), or inside another entry point
+(its measurement of the forward's kept calls, from the training-forward marker's hook at the
+forward's end): timed as entry points of their own, so a sampled step's attention statistics are
+counted, and under their own name."""
 
 
 @dataclass
@@ -55,6 +62,11 @@ class InHook:
     when none was timed."""
     log_every: int | None = None
     """The rows (steps) one flush writes: its cost a step is ``flush_ms / log_every``."""
+    python_ms: float | None = None
+    """stabkit's own Python per unsampled step: `unsampled_ms` less `ops_ms` (None when not split)."""
+    ops_ms: float | None = None
+    """Median milliseconds per unsampled step of the torch ops stabkit's entry points call, each timed
+    around its dispatch (`python_split`): their kernels on a CPU, their launches on a GPU."""
 
     def text(self, name: str) -> str:
         def ms(x: float | None) -> str:
@@ -67,31 +79,37 @@ class InHook:
                 f"; log interval: {self.flush_ms:.2f} ms a flush of {self.log_every} rows "
                 f"({self.flush_ms / self.log_every:.3f} ms a step)"
             )
+        split = ""
+        if self.python_ms is not None and self.ops_ms is not None:
+            split = f" (Python {self.python_ms:.3f} ms, torch ops {self.ops_ms:.3f} ms)"
         return (
-            f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step, {ms(self.sampled_ms)} per "
+            f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step{split}, {ms(self.sampled_ms)} per "
             f"sampled step (median of {STEPS}); {self.top_of}, by entry point (ms): {parts or '-'}{flush}"
         )
 
 
 class _Clock:
-    """Seconds spent inside wrapped calls this step, per entry point (nested calls count once)."""
+    """Seconds spent inside wrapped calls this step, per entry point: a call made inside another
+    wrapped one counts for its own entry point, not for the outer one's (each second counts once)."""
 
     def __init__(self) -> None:
         self.spent: dict[str, float] = {}
-        self._depth = 0
+        self._inner: list[float] = []
+        """Per wrapped call in progress, outermost first: seconds its wrapped inner calls took."""
 
     def wrap(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         @functools.wraps(fn)
         def timed(*args: Any, **kwargs: Any) -> Any:
-            if self._depth:
-                return fn(*args, **kwargs)
-            self._depth += 1
+            self._inner.append(0.0)
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.spent[key] = self.spent.get(key, 0.0) + time.perf_counter() - start
-                self._depth -= 1
+                elapsed = time.perf_counter() - start
+                own = elapsed - self._inner.pop()
+                self.spent[key] = self.spent.get(key, 0.0) + own
+                if self._inner:
+                    self._inner[-1] += elapsed
 
         return timed
 
@@ -145,13 +163,57 @@ def measure(cfg: BenchConfig, variant: str) -> InHook:
                     break
                 tr.run(1)
             del mon.flush  # detach's own flush is not a log interval's
+            split = python_split(mon, tr.run, clock)
         finally:
             mon.detach()
     summary = _summary(rows)
+    if split is not None and summary.unsampled_ms is not None:
+        summary.ops_ms = split
+        summary.python_ms = max(0.0, summary.unsampled_ms - split)
     if flushes:
         summary.flush_ms = 1e3 * statistics.median(flushes)
         summary.log_every = mcfg.log_every
     return summary
+
+
+class _OpTimer(TorchDispatchMode):
+    """Seconds of the torch ops called while `inside()` is true (stabkit's entry points), each timed
+    around its own dispatch below this mode; other ops pass through untimed."""
+
+    def __init__(self, inside: Callable[[], bool]) -> None:
+        super().__init__()
+        self.inside = inside
+        self.seconds = 0.0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if not self.inside():
+            return func(*args, **(kwargs or {}))
+        start = time.perf_counter()
+        try:
+            return func(*args, **(kwargs or {}))
+        finally:
+            self.seconds += time.perf_counter() - start
+
+
+def python_split(mon: Monitor, run: Callable[[int], None], clock: _Clock) -> float | None:
+    """Median milliseconds per unsampled step of the torch ops stabkit's entry points call: `PROFILED`
+    unsampled steps (sampled ones and log intervals run through untimed) under a dispatch mode that
+    times each op called inside an entry point (`_OpTimer`). Its Python is the timed steps' time in
+    stabkit less this (`InHook.python_ms`)."""
+    every, log_every = mon.config.every, mon.config.log_every
+    seconds: list[float] = []
+    for _ in range(4 * PROFILED):
+        if len(seconds) == PROFILED:
+            break
+        step = mon.global_step
+        if step % every == 0 or (step + 1) % log_every == 0:
+            run(1)
+            continue
+        timer = _OpTimer(lambda: bool(clock._inner))
+        with timer:
+            run(1)
+        seconds.append(timer.seconds)
+    return 1e3 * statistics.median(seconds) if seconds else None
 
 
 def _timed(fn: Callable[[], None], durations: list[float]) -> Callable[[], None]:

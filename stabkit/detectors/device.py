@@ -35,7 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..detect_config import DetectConfig
 from ..events import Event
@@ -51,6 +51,14 @@ ValueOf = Callable[[str], "torch.Tensor | None"]
 """The step's recorded value of a series, as a device tensor (None when not recorded)."""
 
 
+class Record(Protocol):
+    """`DeviceContext.record`: add `value` under `name` to the step in progress; `every`: it is
+    recorded on the steps of that cadence only (traced code computes it every step; the Recorder
+    drops it on the others, `stabkit.stats.recorder.Recorder.add`)."""
+
+    def __call__(self, name: str, value: torch.Tensor, every: int | None = None) -> None: ...
+
+
 @dataclass(frozen=True)
 class DeviceContext:
     """What a detector's device part may use (built once at attach by `stabkit.decisions`)."""
@@ -61,7 +69,7 @@ class DeviceContext:
     config: DetectConfig
     hooks: Registrar
     """Where to register hooks (the Monitor's `HookSet`: listed, removed at detach)."""
-    record: Callable[[str, torch.Tensor], None]
+    record: Record
     """Add a per-step flag to the step's statistics (combined by max over the step and across ranks)."""
     per_step: bool
     """Its kind is decided every step (`DetectConfig.needs_sync`); else at the log interval, from rows."""

@@ -32,7 +32,7 @@ import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -42,6 +42,9 @@ from ..discovery.trace import tracing
 from ..hook_parking import COMPILED_ONLY
 from ..hooks import DIRECT, Registrar
 from ..probes import first_tensor
+
+if TYPE_CHECKING:
+    from ..detectors.device import Record
 
 MAX_KEPT = 256
 """Forward calls kept per step (micro-batches); older ones are dropped when Monitor.step is never called."""
@@ -116,7 +119,7 @@ class StepGuard:
     def __init__(
         self,
         model: nn.Module,
-        record: Callable[[str, torch.Tensor], None],
+        record: Record,
         check_output: bool,
         keep_grad: bool,
         hooks: Registrar = DIRECT,
@@ -233,7 +236,10 @@ class StepGuard:
             top = out.amax()
             bad = (top < math.inf).logical_not_()  # NaN or +Inf (two ops: this runs every forward)
         self.output_bad = bad if self.output_bad is None else self.output_bad | bad
-        self.record(OUTPUT_METRIC, bad.float())
+        if self.output_every > 1 and torch.compiler.is_compiling():  # traced every step: kept on its steps
+            self.record(OUTPUT_METRIC, bad.float(), every=self.output_every)
+        else:
+            self.record(OUTPUT_METRIC, bad.float())
 
     def release_grads(self) -> None:
         """Drop the kept output gradients (at the optimizer pre-step hook, after any replay)."""

@@ -156,10 +156,18 @@ class Recorder:
         """Host statistics made from parts after the cross-rank reduction (`derive`), by key."""
 
     def add(
-        self, name: str, value: torch.Tensor, combine: Combine = "last", reduction: Reduction = "mean"
+        self,
+        name: str,
+        value: torch.Tensor,
+        combine: Combine = "last",
+        reduction: Reduction = "mean",
+        every: int | None = None,
     ) -> None:
         """Record a 0-d statistic for the current step (called from hooks; no host sync). A DTensor
-        (a loss under tensor parallelism's loss_parallel) is recorded as this rank's plain value."""
+        (a loss under tensor parallelism's loss_parallel) is recorded as this rank's plain value.
+        `every`: a statistic of that cadence — traced code, which measures it on every step (reading
+        the step would make Dynamo guard on it), records a pack the next eager read drops on the
+        steps the cadence does not sample (`gate`); eagerly the caller records it on those steps only."""
         value = plain(value)
         if value.requires_grad:
             value = value.detach()
@@ -169,7 +177,8 @@ class Recorder:
             value = value.float()
         if torch.compiler.is_compiling():  # a pack of one (see the module docstring)
             kept = value * value if combine == "rms" else value
-            self.add_packed((name,), (combine,), (reduction,), torch.stack([kept, torch.ones_like(kept)]))
+            packed = torch.stack([kept, torch.ones_like(kept)])
+            self.add_packed((name,), (combine,), (reduction,), packed, every=every)
             return
         self._merge(name, value * value if combine == "rms" else value, 1, combine, reduction)
 

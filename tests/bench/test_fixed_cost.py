@@ -187,4 +187,52 @@ def test_in_hook_timer_counts_the_attention_measurement_inside_the_forward() -> 
     torch.set_num_threads(1)
     inside = measure(BenchConfig(size="tiny", warmup=2), "full")  # every step sampled: top is theirs
     assert inside.top_of == "sampled"
-    assert inside.top.get("AttentionProbe._measure", 0.0) > 0.0
+    assert inside.top.get("AttentionProbe._measure", 0.0) > 0.0  # reads the call, keeps it
+    assert inside.top.get("AttentionProbe._measure_pending", 0.0) > 0.0  # measures it at the forward's end
+
+
+def test_in_hook_clock_counts_a_nested_entry_point_for_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrapped call made inside another (the attention probe's measurement of a forward's kept
+    calls, inside the training-forward marker's hook) counts for its own entry point: each second
+    once. A fake clock ticks one second per read."""
+    from stabkit.bench import inhook
+
+    ticks = iter(range(100))
+    monkeypatch.setattr(inhook.time, "perf_counter", lambda: float(next(ticks)))
+    clock = inhook._Clock()
+    inner = clock.wrap(lambda: None, "inner")  # reads at 1 and 2: 1 s
+
+    def outer_body() -> None:
+        inner()
+        inner()  # reads at 3 and 4
+
+    outer = clock.wrap(outer_body, "outer")  # reads at 0 and 5: 5 s, 2 of them the inner calls'
+    outer()
+    assert clock.spent == {"inner": 2.0, "outer": 3.0}
+
+
+def test_op_timer_times_only_the_ops_called_inside_stabkit() -> None:
+    from stabkit.bench.inhook import _OpTimer
+
+    inside = [False]
+    x = torch.ones(8)
+    timer = _OpTimer(lambda: inside[0])
+    with timer:
+        for _ in range(50):
+            x.mul(2.0).add_(1.0)
+    assert timer.seconds == 0.0  # no op was called inside an entry point
+    with timer:
+        inside[0] = True
+        y = x.mul(2.0)
+    assert timer.seconds > 0.0 and torch.equal(y, torch.full((8,), 2.0))  # timed, and passed through
+
+
+def test_in_hook_splits_stabkits_python_from_its_torch_ops() -> None:
+    from stabkit.bench.inhook import measure
+
+    torch.set_num_threads(1)
+    inside = measure(BenchConfig(size="tiny", warmup=2), "every100")
+    assert inside.unsampled_ms is not None and inside.ops_ms is not None and inside.python_ms is not None
+    assert inside.ops_ms > 0  # the gradient norms' _foreach_norm, at least
+    assert inside.python_ms == pytest.approx(max(0.0, inside.unsampled_ms - inside.ops_ms))
+    assert f"(Python {inside.python_ms:.3f} ms, torch ops {inside.ops_ms:.3f} ms)" in inside.text("every100")

@@ -40,9 +40,10 @@ WALKS = {
 
 QUIET = {"console": False, "audit": False}
 
-DEFAULT_BOUND = 140
-"""Calls into stabkit's code on an unsampled step under the default config (detectors on): 116
-measured on this model when the bound was set, the gradient probe's per-step checks made with C-level
+DEFAULT_BOUND = 130
+"""Calls into stabkit's code on an unsampled step under the default config (detectors on): 112
+measured on this model when the bound was set, the warn-only output check made on sampled steps only
+(its root hook parked between; 116 with it every step), the gradient probe's per-step checks made with C-level
 ``map`` over its parameters and reading only the frozen ones' flags (134 before), with the sampled-only forward hooks parked between
 sampled steps (`stabkit.hook_parking`; 158 with them in place, each returning after a flag check; 195
 while the non-finite kind was decided every step on a CPU by default and the root pre-hook kept each
@@ -54,7 +55,8 @@ checks, 104 with the hooks in place, 148 with
 the walk)."""
 ACTING_BOUND = 340
 """With an action on non-finite steps (``skip``: the parameters and optimizer state are checked after
-every update, the second moments before it): 295 measured (313 before the gradient probe's C-level
+every update, the second moments before it): 296 measured (one more than before the output check got
+its cadence test: it runs every step here; 313 before the gradient probe's C-level
 checks, 337 with the hooks in place); with the
 model's parameters listed by a walk at each check (before this was cached) the same count and one walk
 per step."""
