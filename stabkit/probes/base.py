@@ -214,8 +214,17 @@ def guarded(method: F) -> F:
         if not self.enabled:
             return None
         try:
-            with torch.no_grad():
+            if torch.compiler.is_compiling():  # Dynamo traces the context manager
+                with torch.no_grad():
+                    return method(self, *args, **kwargs)
+            # eager: the grad mode set directly (`torch.no_grad()` is a few Python frames per call,
+            # and a hook body runs on every step)
+            before = torch.is_grad_enabled()
+            torch._C._set_grad_enabled(False)
+            try:
                 return method(self, *args, **kwargs)
+            finally:
+                torch._C._set_grad_enabled(before)
         except ProbeError:
             raise
         except Exception as exc:

@@ -42,10 +42,12 @@ def attention_shaped(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 
 
 def no_autocast(args: tuple[Any, ...], kwargs: dict[str, Any]) -> AbstractContextManager[Any]:
-    """Autocast off on the device of the call's first tensor (statistics stay in float32)."""
+    """Autocast off on the device of the call's first tensor (statistics stay in float32); nothing
+    to turn off (a `nullcontext`, no autocast object made: ~3 µs) when it is not on there."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor):
-            if torch.amp.is_autocast_available(value.device.type):
-                return torch.autocast(value.device.type, enabled=False)
+            device = value.device.type
+            if torch.amp.is_autocast_available(device) and torch.is_autocast_enabled(device):
+                return torch.autocast(device, enabled=False)
             break
     return nullcontext()
