@@ -110,8 +110,8 @@ class AttentionProbe(Probe):
         """Calls read (or tried) in each module's forward in progress."""
         self._kept: list[tuple[str, HeadStats, float | None, float | None]] = []
         """This step's measured calls, summarised at the step's first read (`_finish`)."""
-        self._pending: list[_Pending | _Raw] = []
-        """Calls of the forward in progress kept to be measured when it ends (`_defer`, `_keep_raw`)."""
+        self._pending: list[_Pending] = []
+        """Calls of the forward in progress kept to be measured when it ends (`_defer`)."""
         self._pending_bytes = 0
         self._measure_now: set[str] = set()
         """Modules whose q or k changed in place after a kept call: measured where the call is made."""
@@ -229,14 +229,25 @@ class AttentionProbe(Probe):
         """Statistics of one intercepted call (inside the attention module's forward, under no_grad)."""
         ctx = self.ctx
         assert ctx is not None
+        cfg = ctx.config
         compiling = torch.compiler.is_compiling()
         kept_for_backward = not compiling and _inputs_kept_for_backward()  # the forward's grad mode
-        if kept_for_backward and self._keep_raw(path, reader, func, args, kwargs):
-            return
-        sampling = self._sampling(compiling)
+        if compiling:  # the round as a device tensor: no recompile per round
+            sampling = Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, counter=ctx.phase.round)
+        else:
+            sampling = Sampling(
+                cfg.attn_sample_rows, cfg.attn_sample_queries, ctx.step() // cfg.attention_every
+            )
+        module = self.modules[path]
         # no outer mode (e.g. a soft-capping one) sees the probe's own ops; no autocast to low precision
         with torch._C.DisableTorchFunction(), torch.no_grad(), no_autocast(args, kwargs):
-            call, seen_capped, applied_cap = self._read(path, reader, func, args, kwargs)
+            call = reader(args, kwargs)
+            intervention_cap = positive_number(getattr(module, INTERVENTION_CAP_ATTR, None))
+            # an eager softmax input is capped already (by the model, or by attn_softcap before the bias)
+            seen_capped = (model_cap(module) or intervention_cap) if func in SOFTMAXES else None
+            applied_cap = None if seen_capped else intervention_cap
+            if isinstance(call, QKCall) and call.softcap is not None:
+                applied_cap = call.softcap  # the kernel caps through its own argument
             if compiling:  # one opaque op (`stabkit.attention.measure.op`), one graph output
                 self._measure_traced(call, sampling, path, applied_cap, seen_capped)
                 return
@@ -244,74 +255,8 @@ class AttentionProbe(Probe):
             ctx.recorder.defer(self._finish)
             if kept_for_backward and self._defer(path, call, sampling, seen_capped, applied_cap):
                 return
-            stats = measure(call, sampling, applied_cap, ctx.config.attn_chunk_bytes)
+            stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
             self._kept.append((path, stats, seen_capped, applied_cap))
-
-    def _sampling(self, compiling: bool) -> Sampling:
-        """The sample of this sampled step's calls (rotating with the step)."""
-        assert self.ctx is not None
-        cfg = self.ctx.config
-        if compiling:  # the round as a device tensor: no recompile per round
-            return Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, counter=self.ctx.phase.round)
-        return Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, self.ctx.step() // cfg.attention_every)
-
-    def _read(
-        self,
-        path: str,
-        reader: Reader,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> tuple[QKCall | LogitsCall, float | None, float | None]:
-        """(the call, the cap its softmax input already holds, the cap the probe applies) of an
-        intercepted call, under no torch-function mode and no grad."""
-        module = self.modules[path]
-        call = reader(args, kwargs)
-        intervention_cap = positive_number(getattr(module, INTERVENTION_CAP_ATTR, None))
-        # an eager softmax input is capped already (by the model, or by attn_softcap before the bias)
-        seen_capped = (model_cap(module) or intervention_cap) if func in SOFTMAXES else None
-        applied_cap = None if seen_capped else intervention_cap
-        if isinstance(call, QKCall) and call.softcap is not None:
-            applied_cap = call.softcap  # the kernel caps through its own argument
-        return call, seen_capped, applied_cap
-
-    def _keep_raw(
-        self,
-        path: str,
-        reader: Reader,
-        func: Callable[..., Any],
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-    ) -> bool:
-        """`_defer` before reading: an ``F.scaled_dot_product_attention`` call with no mask tensor is
-        kept as it came (its arguments), and read as well as measured when the forward ends — in the
-        module's forward the reading alone costs ~0.1 ms of Python whose objects the model's kernels
-        just pushed out of the caches (~10 µs warm). The same conditions as `_defer`, from the raw
-        arguments; False: the call is read now."""
-        if reader is not read_sdpa or func is not SDPA or path in self._measure_now:
-            return False
-        q = args[0] if args else kwargs.get("query")
-        k = args[1] if len(args) > 1 else kwargs.get("key")
-        mask = args[3] if len(args) > 3 else kwargs.get("attn_mask")
-        if mask is not None or type(q) is not torch.Tensor or type(k) is not torch.Tensor:
-            return False
-        if q.dim() != 4 or k.dim() != 4 or not (q.requires_grad or k.requires_grad):
-            return False
-        return self._keep(_Raw(path, reader, func, args, kwargs, q, k, (q._version, k._version)), q, k)
-
-    def _keep(self, kept: _Raw | _Pending, q: torch.Tensor, k: torch.Tensor) -> bool:
-        """Queue `kept` for the forward's end while the kept q and k stay within `DEFER_BYTES` and a
-        hooked forward is in progress to end."""
-        size = q.numel() * q.element_size() + k.numel() * k.element_size()
-        if self._pending_bytes + size > DEFER_BYTES:
-            return False
-        assert self.ctx is not None
-        if not self._pending and not self.ctx.forwards.at_end(self._measure_pending):
-            return False  # no hooked forward in progress to end: measured now
-        self._pending.append(kept)
-        self._pending_bytes += size
-        self.ctx.recorder.defer(self._finish)
-        return True
 
     def _defer(
         self,
@@ -332,8 +277,16 @@ class AttentionProbe(Probe):
             return False
         if not (call.q.requires_grad or call.k.requires_grad):
             return False  # the backward may not keep them (a frozen q/k): not held past the call
+        size = call.q.numel() * call.q.element_size() + call.k.numel() * call.k.element_size()
+        if self._pending_bytes + size > DEFER_BYTES:
+            return False
+        assert self.ctx is not None
+        if not self._pending and not self.ctx.forwards.at_end(self._measure_pending):
+            return False  # no hooked forward in progress to end: measured now
         versions = (call.q._version, call.k._version)
-        return self._keep(_Pending(path, call, sampling, seen_capped, applied_cap, versions), call.q, call.k)
+        self._pending.append(_Pending(path, call, sampling, seen_capped, applied_cap, versions))
+        self._pending_bytes += size
+        return True
 
     @guarded
     def _measure_pending(self) -> None:
@@ -344,32 +297,22 @@ class AttentionProbe(Probe):
         pending, self._pending, self._pending_bytes = self._pending, [], 0
         assert self.ctx is not None
         budget = self.ctx.config.attn_chunk_bytes
-        sampling: Sampling | None = None
         for p in pending:
-            q, k = (p.q, p.k) if isinstance(p, _Raw) else (p.call.q, p.call.k)
-            if (q._version, k._version) != p.versions:
+            call = p.call
+            if (call.q._version, call.k._version) != p.versions:
                 self._measure_now.add(p.path)
                 continue
             if p.path in self._off:
                 continue
             try:
-                with torch._C.DisableTorchFunction(), no_autocast((q,), {}):
-                    if isinstance(p, _Raw):
-                        call, seen_capped, applied_cap = self._read(
-                            p.path, p.reader, p.func, p.args, p.kwargs
-                        )
-                        assert isinstance(call, QKCall)  # `read_sdpa`'s
-                        sampling = sampling or self._sampling(False)
-                        kept = _Pending(p.path, call, sampling, seen_capped, applied_cap, p.versions)
-                    else:
-                        kept = p
-                    stats = measure(kept.call, kept.sampling, kept.applied_cap, budget)
+                with torch._C.DisableTorchFunction(), no_autocast((call.q,), {}):
+                    stats = measure(call, p.sampling, p.applied_cap, budget)
             except ProbeError:
                 raise
             except Exception as exc:  # as in the handler: this module is no longer watched
                 self._site_failed(p.path, exc)
                 continue
-            self._kept.append((p.path, stats, kept.seen_capped, kept.applied_cap))
+            self._kept.append((p.path, stats, p.seen_capped, p.applied_cap))
 
     @guarded
     def _finish(self) -> None:
@@ -483,20 +426,6 @@ class _Pending:
     applied_cap: float | None
     versions: tuple[int, int]
     """q's and k's version counters when the call was made (an in-place change bumps them)."""
-
-
-@dataclass(frozen=True)
-class _Raw:
-    """A call kept by `AttentionProbe._keep_raw` as it came: read when the forward ends."""
-
-    path: str
-    reader: Reader
-    func: Callable[..., Any]
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
-    q: torch.Tensor
-    k: torch.Tensor
-    versions: tuple[int, int]
 
 
 def _inputs_kept_for_backward() -> bool:

@@ -170,25 +170,6 @@ def test_calls_whose_inputs_do_not_outlive_the_block_are_measured_where_they_are
     assert len(values["attn/blocks.2.attn/entropy"]) == 2
 
 
-def test_a_plain_sdpa_call_is_read_at_the_forward_s_end_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No mask tensor: the call's arguments are kept as they came and bound (`SDPAArgs.from_call`)
-    only when the forward ends."""
-    from stabkit.attention.math import SDPAArgs
-
-    model = fresh()
-    where = Where(model, monkeypatch)
-    bound: list[bool] = []
-    inner = SDPAArgs.from_call.__func__  # type: ignore[attr-defined]
-
-    def spy(cls: type, args: Any, kwargs: Any = None) -> Any:
-        bound.append(where.head_ran)
-        return inner(cls, args, kwargs)
-
-    monkeypatch.setattr(SDPAArgs, "from_call", classmethod(spy))
-    train(model, where)
-    assert bound == [True] * 6 and where.calls == [True] * 6
-
-
 def test_calls_past_the_byte_budget_are_measured_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
     model = fresh()
     q_and_k = 2 * 4 * 4 * 16 * 8 * 4  # float32 (batch 4, 4 heads, 16 positions, head dim 8), q and k
