@@ -15,10 +15,6 @@ see `stabkit.attention.measure.measure` for how the max is kept close to exact),
 no RNG, in blocks of heads, queries and keys whose temporaries stay within
 `MonitorConfig.attn_chunk_bytes` (the entropy by an online log-sum-exp over key blocks), then
 passes the call on with its original arguments: the model's outputs and RNG stream are untouched.
-In a training forward, a plain q/k call (no mask tensor) whose q and k its backward keeps anyway is
-measured when the outermost forward ends, with the forward's other calls, back to back
-(`AttentionProbe._defer`: the same numbers, ~40 % less time on small calls whose caches the model's
-kernels just cooled); under activation checkpointing, compiled, or past `DEFER_BYTES`, where it is made.
 On other steps, and in forwards that are not training forwards (evaluation, ``generate()``,
 ``no_grad``, checkpoint recomputation: `ProbeContext.training_forward`), the pre-hook returns at
 once (no mode). An attention module whose training-mode forward makes none of these calls (an
@@ -61,7 +57,6 @@ decoding with GQA packs query heads into the query dim, so per-head values there
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -70,7 +65,6 @@ from torch import nn
 
 from ..attention import kernels
 from ..attention.call import LogitsCall, QKCall
-from ..attention.measure import fast
 from ..attention.measure.eager import ROW_MAXES, SUBTRACTIONS, EagerTracker
 from ..attention.measure.measure import measure
 from ..attention.measure.op import layout, measured, opaque_ok, summary_values
@@ -110,11 +104,6 @@ class AttentionProbe(Probe):
         """Calls read (or tried) in each module's forward in progress."""
         self._kept: list[tuple[str, HeadStats, float | None, float | None]] = []
         """This step's measured calls, summarised at the step's first read (`_finish`)."""
-        self._pending: list[_Pending] = []
-        """Calls of the forward in progress kept to be measured when it ends (`_defer`)."""
-        self._pending_bytes = 0
-        self._measure_now: set[str] = set()
-        """Modules whose q or k changed in place after a kept call: measured where the call is made."""
         tracked = {p: a.sink_columns for p, a in sites.items() if a.softmax_shift or a.sink_columns}
         self._eager = EagerTracker(tracked)
         readers: dict[Callable[..., Any], Reader] = {
@@ -164,7 +153,6 @@ class AttentionProbe(Probe):
         """Remove the scope hooks (safe to call twice)."""
         for scope in getattr(self, "_scopes", []):
             scope.remove()
-        self._pending, self._pending_bytes = [], 0
         entry = getattr(self, "_entry_points", None)
         if entry is not None:
             entry.remove()
@@ -231,7 +219,6 @@ class AttentionProbe(Probe):
         assert ctx is not None
         cfg = ctx.config
         compiling = torch.compiler.is_compiling()
-        kept_for_backward = not compiling and _inputs_kept_for_backward()  # the forward's grad mode
         if compiling:  # the round as a device tensor: no recompile per round
             sampling = Sampling(cfg.attn_sample_rows, cfg.attn_sample_queries, counter=ctx.phase.round)
         else:
@@ -251,75 +238,15 @@ class AttentionProbe(Probe):
             if compiling:  # one opaque op (`stabkit.attention.measure.op`), one graph output
                 self._measure_traced(call, sampling, path, applied_cap, seen_capped)
                 return
-            # the summary's small ops run later, with every call's (`Recorder.defer`)
-            ctx.recorder.defer(self._finish)
-            if kept_for_backward and self._defer(path, call, sampling, seen_capped, applied_cap):
-                return
             stats = measure(call, sampling, applied_cap, cfg.attn_chunk_bytes)
+            # the summary's small ops run later, with every call's (`Recorder.defer`)
             self._kept.append((path, stats, seen_capped, applied_cap))
-
-    def _defer(
-        self,
-        path: str,
-        call: QKCall | LogitsCall,
-        sampling: Sampling,
-        seen_capped: float | None,
-        applied_cap: float | None,
-    ) -> bool:
-        """Keep a plain q/k call to be measured with the forward's others when it ends
-        (`_measure_pending`); False when it is measured now. Measured where it is made, a small call
-        runs its ~40 ops with caches the model's kernels just filled (~0.9 ms a call of 8 × 4 heads ×
-        64² logits on one CPU thread); the calls of a forward measured back to back take ~0.6 ms each
-        — the same numbers, from the same q and k. Only calls whose q and k the call's backward keeps
-        anyway (a training forward, no saved-tensor hooks such as activation checkpointing's), with no
-        mask tensor, and while the kept q and k stay within `DEFER_BYTES`."""
-        if path in self._measure_now or not isinstance(call, QKCall) or not fast.applies(call, sampling):
-            return False
-        if not (call.q.requires_grad or call.k.requires_grad):
-            return False  # the backward may not keep them (a frozen q/k): not held past the call
-        size = call.q.numel() * call.q.element_size() + call.k.numel() * call.k.element_size()
-        if self._pending_bytes + size > DEFER_BYTES:
-            return False
-        assert self.ctx is not None
-        if not self._pending and not self.ctx.forwards.at_end(self._measure_pending):
-            return False  # no hooked forward in progress to end: measured now
-        versions = (call.q._version, call.k._version)
-        self._pending.append(_Pending(path, call, sampling, seen_capped, applied_cap, versions))
-        self._pending_bytes += size
-        return True
-
-    @guarded
-    def _measure_pending(self) -> None:
-        """At the end of the outermost forward (or before the step's first read): measure the calls
-        `_defer` kept, under no_grad (`guarded`), no torch-function mode and no autocast. A call whose
-        q or k was changed in place since is not measured (its module is then measured where its
-        calls are made)."""
-        pending, self._pending, self._pending_bytes = self._pending, [], 0
-        assert self.ctx is not None
-        budget = self.ctx.config.attn_chunk_bytes
-        for p in pending:
-            call = p.call
-            if (call.q._version, call.k._version) != p.versions:
-                self._measure_now.add(p.path)
-                continue
-            if p.path in self._off:
-                continue
-            try:
-                with torch._C.DisableTorchFunction(), no_autocast((call.q,), {}):
-                    stats = measure(call, p.sampling, p.applied_cap, budget)
-            except ProbeError:
-                raise
-            except Exception as exc:  # as in the handler: this module is no longer watched
-                self._site_failed(p.path, exc)
-                continue
-            self._kept.append((p.path, stats, p.seen_capped, p.applied_cap))
+            ctx.recorder.defer(self._finish)
 
     @guarded
     def _finish(self) -> None:
         """Before the step's statistics are read (`Recorder.defer`): the summary of every call the
         probe measured since."""
-        if self._pending:  # no forward end was seen since they were kept
-            self._measure_pending()
         kept, self._kept = self._kept, []
         groups: dict[tuple[Any, ...], list[tuple[str, HeadStats]]] = {}
         for path, stats, seen_capped, applied_cap in kept:  # calls whose summaries have one layout
@@ -406,33 +333,6 @@ class AttentionProbe(Probe):
                     "with stabkit.register_kernel(...) to measure it"
                 ),
             )
-
-
-DEFER_BYTES = 16 << 20
-"""The most bytes of q and k the probe keeps referenced until the end of a forward (`_defer`); the
-calls past it are measured where they are made. Deferring pays on small calls (fixed per-op costs
-with cold caches), and the tensors are the ones the calls' backward keeps, so this only bounds how
-long a reference can outlive its module's backward."""
-
-
-@dataclass(frozen=True)
-class _Pending:
-    """A call kept by `AttentionProbe._defer`, with what its measurement and summary need."""
-
-    path: str
-    call: QKCall
-    sampling: Sampling
-    seen_capped: float | None
-    applied_cap: float | None
-    versions: tuple[int, int]
-    """q's and k's version counters when the call was made (an in-place change bumps them)."""
-
-
-def _inputs_kept_for_backward() -> bool:
-    """In an attention handler, in the forward's own grad mode: whether a call's inputs stay alive
-    until its backward — gradients on and no saved-tensor hooks (activation checkpointing, CPU
-    offloading) that would drop or move them."""
-    return torch.is_grad_enabled() and torch._C._autograd._top_saved_tensors_default_hooks(False) is None
 
 
 def _shape_of(stats: HeadStats) -> tuple[object, ...]:

@@ -12,7 +12,7 @@ probes' forward (pre-)hooks. No tensor work, no host sync.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -64,8 +64,6 @@ class TrainingForwards:
         them (`stabkit.hook_parking`); None: every step."""
         self.paths = ancestors(paths)
         self._stack: list[bool] = []
-        self._at_end: list[Callable[[], None]] = []
-        """One-shot callbacks for the end of the outermost forward in progress (`at_end`)."""
         self._users = 0
         self._handles: list[RemovableHandle] = []
 
@@ -94,7 +92,6 @@ class TrainingForwards:
                 h.remove()
             self._handles = []
             self._stack = []
-            self._at_end = []
 
     def _enter(self, module: nn.Module, args: Any) -> None:
         outer = self._stack[-1] if self._stack else module.training and torch.is_grad_enabled()
@@ -103,22 +100,6 @@ class TrainingForwards:
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:  # empty when the pre-hook was installed during this very forward
             self._stack.pop()
-            if not self._stack and self._at_end and not torch.compiler.is_compiling():
-                callbacks, self._at_end = self._at_end, []
-                for callback in callbacks:
-                    callback()
-
-    def at_end(self, callback: Callable[[], None]) -> bool:
-        """Run `callback` once when the outermost of the hooked forwards now in progress ends (its
-        forward hook; on an exception too). False, and nothing queued, when none is in progress (a
-        module called outside the model's forward, or hooks installed during it): the caller does
-        the work some other way. Called from inside a forward (a probe's handler). A forward hook
-        Dynamo traces runs none (the callbacks wait for an eager one; the caller keeps a fallback)."""
-        if not self._stack:
-            return False
-        if callback not in self._at_end:
-            self._at_end.append(callback)
-        return True
 
     def training(self, module: nn.Module) -> bool:
         """True when the forward that runs `module` now is a training forward (call it where the
