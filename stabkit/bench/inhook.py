@@ -39,12 +39,10 @@ PROFILED = 20
 """Unsampled steps run with stabkit's torch ops timed, after the timed ones, for the Python / torch-op
 split (`python_split`)."""
 
-MEASURED_INSIDE_FORWARD = ("_measure", "_measure_pending")
+MEASURED_INSIDE_FORWARD = ("_measure",)
 """Probe methods that run inside a module's forward rather than in a hook (the attention probe's
-handler of the attention call under the scope's torch-function mode), or inside another entry point
-(its measurement of the forward's kept calls, from the training-forward marker's hook at the
-forward's end): timed as entry points of their own, so a sampled step's attention statistics are
-counted, and under their own name."""
+measurement, from its handler of the attention call under the scope's torch-function mode): timed
+as entry points of their own, so a sampled step's attention statistics are counted."""
 
 
 @dataclass
