@@ -2,7 +2,8 @@
 probe's end-of-backward callback, the attention probe's measurement (inside the attention module's
 forward) and `Monitor.step` (`stabkit bench --in-hook`); and, apart, the log interval's flush (the host copy,
 the detectors' judgement of the rows, the sinks' writes), which one step in `log_every` pays and a
-median over steps never shows.
+median over steps never shows; and, on unsampled steps, how much of that time is the torch ops
+those calls make (each timed around its dispatch, `torch_ops_ms`) and how much stabkit's Python.
 
 The ratio and the "+ms" columns say what a monitor costs a loop, with the machine's noise in them;
 this says where a step's time inside stabkit goes, per entry point, to the tens of microseconds. It
@@ -37,7 +38,7 @@ STEPS = 60
 """Timed steps per variant (six default sampling cycles)."""
 PROFILED = 20
 """Unsampled steps run with stabkit's torch ops timed, after the timed ones, for the Python / torch-op
-split (`python_split`)."""
+split (`torch_ops_ms`)."""
 
 MEASURED_INSIDE_FORWARD = ("_measure",)
 """Probe methods that run inside a module's forward rather than in a hook (the attention probe's
@@ -64,7 +65,7 @@ class InHook:
     """stabkit's own Python per unsampled step: `unsampled_ms` less `ops_ms` (None when not split)."""
     ops_ms: float | None = None
     """Median milliseconds per unsampled step of the torch ops stabkit's entry points call, each timed
-    around its dispatch (`python_split`): their kernels on a CPU, their launches on a GPU."""
+    around its dispatch (`torch_ops_ms`): their kernels on a CPU, their launches on a GPU."""
 
     def text(self, name: str) -> str:
         def ms(x: float | None) -> str:
@@ -94,6 +95,10 @@ class _Clock:
         self.spent: dict[str, float] = {}
         self._inner: list[float] = []
         """Per wrapped call in progress, outermost first: seconds its wrapped inner calls took."""
+
+    def busy(self) -> bool:
+        """Whether a wrapped call is in progress (the code running now is stabkit's)."""
+        return bool(self._inner)
 
     def wrap(self, fn: Callable[..., Any], key: str) -> Callable[..., Any]:
         @functools.wraps(fn)
@@ -161,13 +166,13 @@ def measure(cfg: BenchConfig, variant: str) -> InHook:
                     break
                 tr.run(1)
             del mon.flush  # detach's own flush is not a log interval's
-            split = python_split(mon, tr.run, clock)
+            ops = torch_ops_ms(mon, tr.run, clock)
         finally:
             mon.detach()
     summary = _summary(rows)
-    if split is not None and summary.unsampled_ms is not None:
-        summary.ops_ms = split
-        summary.python_ms = max(0.0, summary.unsampled_ms - split)
+    if ops is not None and summary.unsampled_ms is not None:
+        summary.ops_ms = ops
+        summary.python_ms = max(0.0, summary.unsampled_ms - ops)
     if flushes:
         summary.flush_ms = 1e3 * statistics.median(flushes)
         summary.log_every = mcfg.log_every
@@ -193,7 +198,7 @@ class _OpTimer(TorchDispatchMode):
             self.seconds += time.perf_counter() - start
 
 
-def python_split(mon: Monitor, run: Callable[[int], None], clock: _Clock) -> float | None:
+def torch_ops_ms(mon: Monitor, run: Callable[[int], None], clock: _Clock) -> float | None:
     """Median milliseconds per unsampled step of the torch ops stabkit's entry points call: `PROFILED`
     unsampled steps (sampled ones and log intervals run through untimed) under a dispatch mode that
     times each op called inside an entry point (`_OpTimer`). Its Python is the timed steps' time in
@@ -207,7 +212,7 @@ def python_split(mon: Monitor, run: Callable[[int], None], clock: _Clock) -> flo
         if step % every == 0 or (step + 1) % log_every == 0:
             run(1)
             continue
-        timer = _OpTimer(lambda: bool(clock._inner))
+        timer = _OpTimer(clock.busy)
         with timer:
             run(1)
         seconds.append(timer.seconds)

@@ -234,7 +234,7 @@ class StepGuard:
             return
         with torch.no_grad():  # no graph: no detach needed
             top = out.amax()
-            bad = (top < math.inf).logical_not_()  # NaN or +Inf (two ops: this runs every forward)
+            bad = (top < math.inf).logical_not_()  # NaN or +Inf, in two small ops
         self.output_bad = bad if self.output_bad is None else self.output_bad | bad
         if self.output_every > 1 and torch.compiler.is_compiling():  # traced every step: kept on its steps
             self.record(OUTPUT_METRIC, bad.float(), every=self.output_every)

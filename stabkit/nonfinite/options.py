@@ -26,7 +26,7 @@ class NonfiniteOptions:
     an action other than warn, or ``DetectConfig.sync`` — whose replay tells a broken output from a
     broken loss; else with the sampled statistics, every ``MonitorConfig.every`` steps: a warn-only
     run decides from its rows, whose loss and gradient norm, recorded every step, a non-finite output
-    makes non-finite. 1: every step, as before 0.x; it costs ~0.1–0.2 ms a step on a CPU)."""
+    makes non-finite. 1: every step, as earlier 0.x versions did; ~0.1 ms a step on a CPU)."""
     optimizer_check_every: int | None = field(default=None, metadata=bounds(lo=0))
     """Check params + optimizer state for NaN/Inf after every N-th update (one read of both; 0 = off; None = every step when 'nonfinite' has an action other than warn, else with the whole-model statistics, every MonitorConfig.deep_every)."""
     localize: bool = True
