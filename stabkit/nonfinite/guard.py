@@ -192,11 +192,14 @@ class StepGuard:
         kept = self._latest()
         if kept is None and self.keep_inputs:
             return
+        check = self.check_output and self._output_due()
+        if not check and not (self.keep_grad and kept is not None):
+            return  # a warn-only run's step between checked ones: nothing to read in the output
         try:
             out = first_tensor(output)
         except TypeError:
             return
-        if self.check_output and self._output_due():
+        if check:
             self._check(out)
         if self.keep_grad and kept is not None and out.requires_grad:
 
