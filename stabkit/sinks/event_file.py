@@ -81,10 +81,10 @@ class EventFile:
         self.add(Event(summary=summary), step)
 
     def flush(self) -> None:
-        """Append what was added since the last flush to the file (one open, one write). On an
-        error the bytes stay buffered and the error is raised."""
+        """Append what was added since the last flush to the file (one open, one write); nothing
+        after `close`. On an error the bytes stay buffered and the error is raised."""
         data = self._buffer.data
-        if not data:
+        if not data or self.closed:
             return
         with open(self.path, "ab") as fh:
             fh.write(data)
@@ -94,5 +94,7 @@ class EventFile:
         """Flush; then nothing more is written (safe twice)."""
         if self.closed:
             return
-        self.closed = True
-        self.flush()
+        try:
+            self.flush()
+        finally:  # closed even when that flush fails (then it raises)
+            self.closed = True
