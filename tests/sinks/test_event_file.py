@@ -105,3 +105,17 @@ def test_a_disk_error_is_raised_by_the_flush_and_the_rows_stay_buffered(
     monkeypatch.undo()
     sink.close()  # the disk has room again: the kept row is written
     assert [(e.step, e.value) for e in read(tmp_path).Scalars("loss")] == [(0, 1.0), (1, 0.5)]
+
+
+def test_nothing_is_written_after_close(tmp_path: Path) -> None:
+    from tensorboard.compat.proto.summary_pb2 import Summary
+
+    events = EventFile(tmp_path)
+    events.add_summary(Summary(value=[Summary.Value(tag="loss", simple_value=1.0)]), 0)
+    events.close()
+    size = events.path.stat().st_size
+    events.add_summary(Summary(value=[Summary.Value(tag="loss", simple_value=2.0)]), 1)
+    events.flush()
+    events.close()
+    assert events.path.stat().st_size == size
+    assert [(e.step, e.value) for e in read(tmp_path).Scalars("loss")] == [(0, 1.0)]
