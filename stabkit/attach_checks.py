@@ -1,7 +1,7 @@
-"""What `stabkit.attach` checks and prepares before it wires anything, and the input check it puts
-on the model: unwrap torch.compile / DDP wrappers, refuse an optimizer holding foreign parameters,
-refuse an empty batch (a forward pre-hook). Code compiled without stabkit's hooks is reset by
-`stabkit.compiled_code.forget_compiled_code`."""
+"""What `stabkit.attach` checks and prepares before it wires anything, and the input test the forward
+probes use: unwrap torch.compile / DDP wrappers, refuse an optimizer holding foreign parameters, find
+an empty batch (`empty_input`: such a forward is not measured, `stabkit.probes.forwards`). Code
+compiled without stabkit's hooks is reset by `stabkit.compiled_code.forget_compiled_code`."""
 
 from __future__ import annotations
 
@@ -18,14 +18,22 @@ def unwrap_compiled(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else model
 
 
-def check_inputs(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """Forward pre-hook on the root: refuse an empty batch with a message that says what to do."""
+def empty_input(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, ...] | None:
+    """The shape of the first input tensor of a forward that has dimensions but no element (an
+    empty batch), else None. Runs in the root's forward pre-hook on the steps the forward probes
+    sample (`stabkit.probes.forwards.TrainingForwards`)."""
     for value in (*args, *kwargs.values()):
         if isinstance(value, torch.Tensor) and value.dim() > 0 and value.numel() == 0:
-            raise ValueError(
-                f"stabkit: the model got an empty batch (input of shape {tuple(value.shape)}); "
-                "skip empty batches in your data loader (drop_last=True, or filter zero-length sequences)"
-            )
+            return tuple(value.shape)
+    return None
+
+
+EMPTY_BATCH = (
+    "stabkit: the model got an empty batch (input of shape {shape}); stabkit does not measure that "
+    "forward (nor any later one with an empty input) and training goes on; skip empty batches in "
+    "your data loader (drop_last=True, or filter zero-length sequences)"
+)
+"""The warning, once per monitor, when a sampled step's forward gets an empty batch."""
 
 
 def check_optimizer(model: nn.Module, optimizer: Any) -> None:

@@ -194,6 +194,10 @@ class Decisions:
             for part in self.devices.values()
             if (flag := part.before_update(step, value, committed is None)) is not None
         ]
+        if not flags and not self.per_step:  # a warn-only step: nothing to fetch or judge here
+            if not self._acted:
+                self.actions.before_update(step)
+            return
         early: list[tuple[str, torch.Tensor]] = []
         if self.per_step:
             names = list(committed) if committed is not None else self.recorder.current_names()

@@ -8,13 +8,14 @@ pre-hook registered here runs when the step's gradients are final (`AfterClosure
 ``step`` updates anything, and after the closure's first call when ``step`` is given a closure.
 
 Order at attach (the Monitor registers in this order, so hooks of the same event run in it too):
-1. the Monitor's input guard (forward pre-hook on the root: refuses an empty batch);
-2. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention, outliers): their
-   forward hooks and the gradient probe's optimizer step pre-/post-hooks;
-3. the detectors' device checks (`stabkit.nonfinite`: step guard on the root's forward, tracer with
+1. probes, in `stabkit.plugins.PROBES` order (activations, logits, gradients, attention, outliers): their
+   forward hooks (the first one with forward hooks installs the training-forward markers,
+   `stabkit.probes.forwards`, whose root pre-hook also finds an empty batch) and the gradient
+   probe's optimizer step pre-/post-hooks;
+2. the detectors' device checks (`stabkit.nonfinite`: step guard on the root's forward, tracer with
    ``per_module``) and `stabkit.decisions.Decisions`' optimizer step pre-/post-hooks — after the gradient probe's, so the step's gradient
    norm is recorded before it is judged;
-4. integrations (e.g. the Hugging Face callback's loss hook), through `Monitor.hooks`.
+3. integrations (e.g. the Hugging Face callback's loss hook), through `Monitor.hooks`.
 
 Forward hooks registered with a ``cadence`` (they act only on steps that are multiples of it) may be
 off their module between those steps (`stabkit.hook_parking`); the order above holds whenever they run.

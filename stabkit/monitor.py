@@ -30,7 +30,6 @@ from torch import nn
 
 from . import lifecycle
 from .attach_checks import (
-    check_inputs,
     check_optimizer,
     check_schedule,
     unwrap_compiled,
@@ -224,7 +223,6 @@ class Monitor:
         self.probes = build_probes(cfg)
         self._ending = [p for p in self.probes if type(p).end_step is not Probe.end_step]
         self._finishing = [p for p in self.probes if type(p).finish_rows is not Probe.finish_rows]
-        self.hooks.forward_pre("monitor", model, check_inputs, with_kwargs=True)
         try:
             for probe in self.probes:
                 probe.attach(self.context)

@@ -3,7 +3,9 @@
 A *training forward* starts in training mode with gradients enabled. Not one: a validation forward
 (``model.eval()`` and/or ``torch.no_grad()``), ``generate()`` (no_grad, KV cache), a ``no_grad``
 forward between steps, and the recomputation activation checkpointing runs during backward (the
-forward hooks of a checkpointed block fire again there).
+forward hooks of a checkpointed block fire again there). Nor is a forward whose input is an empty
+batch (a tensor input with no element): its modules' statistics would be empty reductions; the
+forward runs as it would without stabkit, unmeasured, and the first one is told once (a warning).
 
 When it runs: the hooks of `TrainingForwards` run at the start and end of forwards of the model
 and of the ancestors of its blocks and attention modules; `TrainingForwards.training` runs in the
@@ -19,7 +21,8 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..hooks import DIRECT, Registrar
+from ..attach_checks import EMPTY_BATCH, empty_input
+from ..hooks import DIRECT, Registrar, hook_warning
 
 
 def in_backward() -> bool:
@@ -50,8 +53,10 @@ class TrainingForwards:
     of that module; nested ones inherit it, and each forward hook (``always_call``) drops its entry.
     So a block run under reentrant checkpointing (whose first forward runs under ``no_grad``) still
     counts as training, while anything under backward (the recomputation) does not. A module called
-    outside all of them falls back to its own ``training`` flag and the grad mode. The hooks are
-    installed while at least one probe uses them (`acquire` / `release`).
+    outside all of them falls back to its own ``training`` flag and the grad mode. The model's own
+    pre-hook also reads the forward's inputs: an empty batch makes the forward not a training one
+    (`stabkit.attach_checks.empty_input`). The hooks are installed while at least one probe uses
+    them (`acquire` / `release`).
     """
 
     def __init__(
@@ -66,15 +71,22 @@ class TrainingForwards:
         self._stack: list[bool] = []
         self._users = 0
         self._handles: list[RemovableHandle] = []
+        self._told_empty = False
 
     def acquire(self) -> None:
         """A probe starts relying on the hooks (at its attach); installs them on first use."""
         if self._users == 0:
             for path in self.paths:
                 module = self.model.get_submodule(path)
+                root = module is self.model
                 self._handles.append(
                     self.hooks.forward_pre(
-                        "training-forwards", module, self._enter, prepend=True, cadence=self.cadence
+                        "training-forwards",
+                        module,
+                        self._enter_model if root else self._enter,
+                        prepend=True,
+                        with_kwargs=root,
+                        cadence=self.cadence,
                     )
                 )
                 self._handles.append(
@@ -96,6 +108,22 @@ class TrainingForwards:
     def _enter(self, module: nn.Module, args: Any) -> None:
         outer = self._stack[-1] if self._stack else module.training and torch.is_grad_enabled()
         self._stack.append(outer)
+
+    def _enter_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """The model's own pre-hook: `_enter`, and an outermost training forward with an empty
+        batch is not a training forward (warned once)."""
+        if self._stack:
+            self._stack.append(self._stack[-1])
+            return
+        training = module.training and torch.is_grad_enabled()
+        if training:
+            shape = empty_input(args, kwargs)
+            if shape is not None:
+                training = False
+                if not self._told_empty:
+                    self._told_empty = True
+                    hook_warning(EMPTY_BATCH.format(shape=shape), RuntimeWarning, stacklevel=3)
+        self._stack.append(training)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:  # empty when the pre-hook was installed during this very forward

@@ -105,10 +105,11 @@ class GradProbe(Probe):
 
     def _layout_changed(self, ctx: ProbeContext) -> bool:
         """Whether the parameter lists must be made again: a parameter frozen at `_setup` trains now,
-        or the optimizer's groups changed. Runs twice a step, so it reads only the frozen parameters'
+        or the optimizer's groups changed. Runs every step, so it reads only the frozen parameters'
         flags (usually none) and the groups' sizes — reading all of the model's ``requires_grad``
         right after a step's kernels cost ~1 µs a parameter in cache misses. A trainable parameter
-        frozen since is seen when its gradient goes missing (`_after_backward`)."""
+        frozen since is seen when its gradient goes missing (`_after_backward`). Asked once a step:
+        at the end of backward, or at `end_step` when no backward gave this probe a gradient."""
         return any(map(_REQUIRES_GRAD, self._frozen)) or self._groups(ctx) != self._group_sizes
 
     def _setup(self, ctx: ProbeContext) -> None:
@@ -360,5 +361,7 @@ class GradProbe(Probe):
         self._record_amp(ctx)
         self._queued = False  # a backward that raised never ran its callback
         self._grad_norms = None
-        if self._layout_changed(ctx):  # unfrozen parameters, a new param group
+        # unfrozen parameters, a new param group: the end of backward looked already when it ran
+        # (a change made since is seen by the next one, before it takes any norm)
+        if not had_grads and self._layout_changed(ctx):
             self._setup(ctx)

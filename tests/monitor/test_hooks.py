@@ -51,7 +51,6 @@ def test_hooks_are_registered_in_the_documented_order_and_removed_at_detach() ->
     mon = stabkit.attach(model, opt, config=stabkit.MonitorConfig(console=False))
     owners = mon.hooks.owners()
     assert owners == [
-        "monitor",
         "training-forwards",
         "act",
         "logits",

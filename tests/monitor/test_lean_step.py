@@ -146,7 +146,10 @@ def test_an_unsampled_step_makes_few_calls_and_walks_no_module(detect: str | Non
         step()
     assert mon.global_step % 10 not in (0, 9)  # the next step is unsampled and flushes nothing
     hooked = [n for n, m in mon.model.named_modules() if m._forward_hooks or m._forward_pre_hooks]
-    assert hooked == [""], f"modules with forward hooks on an unsampled step: {hooked} (only the root's act)"
+    # only an acting run keeps hooks there: the root's, which keep each forward's inputs for a replay
+    assert hooked == ([""] if detect == "skip" else []), (
+        f"modules with forward hooks on an unsampled step: {hooked}"
+    )
     count = CallCount()
     count.run(step)
     mon.detach()

@@ -3,6 +3,7 @@ a failing probe warns once and steps aside unless strict."""
 
 from __future__ import annotations
 
+import math
 import warnings
 from typing import Any
 
@@ -70,13 +71,36 @@ def test_optimizer_with_foreign_parameters() -> None:
         stabkit.attach(model, opt)
 
 
-def test_empty_batch_is_refused_with_the_fix() -> None:
+def test_an_empty_batch_runs_unmeasured_with_one_warning_and_every_probe_kept() -> None:
+    """An empty batch is the data loader's bug, not a reason for stabkit to stop the run: the forward
+    runs as without stabkit, its statistics are not taken (no empty reductions, no probe disabled by
+    one), the first such forward is told once, and the next batch is measured as usual."""
+    torch.manual_seed(0)
     model = reference_gpt()
-    with (
-        stabkit.attach(model, config=stabkit.MonitorConfig(console=False)),
-        pytest.raises(ValueError, match=r"empty batch \(input of shape \(0, 16\)\).*drop_last"),
-    ):
-        model(torch.zeros(0, 16, dtype=torch.long))
+    bare = reference_gpt()
+    bare.load_state_dict(model.state_dict())
+    empty = torch.zeros(0, 16, dtype=torch.long)
+    mon = stabkit.attach(model, config=stabkit.MonitorConfig(console=False, every=1, log_every=1))
+    x, _ = batch(0)
+    mon.step(model(x).sum())
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        out = model(empty)
+        mon.step(out.sum())  # 0: a row for the step, with the loss
+        mon.step(model(empty).sum())  # a second one: not told again
+    told = [str(w.message) for w in said if "empty batch" in str(w.message)]
+    assert len(told) == 1 and "input of shape (0, 16)" in told[0] and "drop_last" in told[0]
+    assert torch.equal(out, bare(empty)) and out.shape == (0, 16, 64)
+    mon.step(model(x).sum())
+    mon.flush()
+    rows = dict(mon.history)
+    measured = [n for n in rows[0] if n.split("/")[0] in ("act", "attn", "logits")]
+    assert len(measured) > 10
+    for step in (1, 2):  # the empty forwards: none of the forward statistics
+        assert not [n for n in rows[step] if n.split("/")[0] in ("act", "attn", "logits")]
+    assert set(measured) <= set(rows[3]) and all(math.isfinite(rows[3][n]) for n in measured)
+    assert all(p.enabled for p in mon.probes)
+    mon.detach()
 
 
 def test_frozen_parameters_are_left_out_and_tied_ones_counted_once() -> None:
