@@ -41,8 +41,10 @@ WALKS = {
 QUIET = {"console": False, "audit": False}
 
 DEFAULT_BOUND = 130
-"""Calls into stabkit's code on an unsampled step under the default config (detectors on): 112
-measured on this model when the bound was set, the warn-only output check made on sampled steps only
+"""Calls into stabkit's code on an unsampled step under the default config (detectors on): 102
+measured on this model with no stabkit hook left on the root between sampled steps (an empty batch
+found by the sampled steps' training-forward markers, not refused by a root pre-hook on every
+forward; 112 before), the warn-only output check made on sampled steps only
 (its root hook parked between; 116 with it every step), the gradient probe's per-step checks made with C-level
 ``map`` over its parameters and reading only the frozen ones' flags (134 before), with the sampled-only forward hooks parked between
 sampled steps (`stabkit.hook_parking`; 158 with them in place, each returning after a flag check; 195
@@ -50,7 +52,7 @@ while the non-finite kind was decided every step on a CPU by default and the roo
 forward's inputs for a warn-only run; with the per-step parameter walk removed before that put back,
 243 and two walks)."""
 NO_DETECT_BOUND = 80
-"""The same with ``detect=None`` (probes only): 65 measured (81 before the gradient probe's C-level
+"""The same with ``detect=None`` (probes only): 62 measured (65 with the root's hooks every step, 81 before the gradient probe's C-level
 checks, 104 with the hooks in place, 148 with
 the walk)."""
 ACTING_BOUND = 340
