@@ -1,4 +1,6 @@
-"""JSONL sink: one JSON object per line — metrics per step, events, notes. Flushed on every write.
+"""JSONL sink: one JSON object per line — metrics per step, events, notes. Each line is handed to
+the operating system as it is written (a process crash loses nothing); events and `close` also sync
+it to the disk.
 
 Line kinds: ``{"type": "metrics", "step": s, "values": {...}}``, ``{"type": "event", ...Event fields}``,
 ``{"type": "text", "tag": ..., "text": ...}``. Non-finite numbers are written as the strings
@@ -76,14 +78,23 @@ class JsonlSink:
         self._write({"type": "text", "tag": tag, "step": step, "text": text})
 
     def flush(self) -> None:
+        """At each log interval: hand what was written to the operating system, so that a crash of
+        the process loses nothing written so far. No ``fsync`` here: on a network filesystem one
+        can take tens of milliseconds, in the training thread, every interval; an event (written
+        with one) and `close` sync the file to the disk."""
+        if not self._fh.closed:
+            self._fh.flush()
+
+    def sync(self) -> None:
+        """Flush and ``fsync``: what was written survives a crash of the machine too."""
         if not self._fh.closed:
             self._fh.flush()
             os.fsync(self._fh.fileno())
 
     def close(self) -> None:
-        """Flush and close; the file is closed even when the flush fails (then it raises)."""
+        """Sync and close; the file is closed even when the sync fails (then it raises)."""
         if not self._fh.closed:
             try:
-                self.flush()
+                self.sync()
             finally:
                 self._fh.close()

@@ -81,3 +81,28 @@ def test_console_line_names_the_worst_layer(capsys: pytest.CaptureFixture[str]) 
     err = capsys.readouterr().err
     assert "step 2" in err and "step 1 " not in err
     sinks.close()
+
+
+def test_jsonl_hands_rows_to_the_os_each_flush_and_syncs_only_events_and_close(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A log interval's flush makes its rows readable by another process (a crash of this one loses
+    nothing) without an fsync, which on a network filesystem stalls the training thread; an event and
+    `close` are synced to the disk."""
+    import stabkit.sinks.jsonl as jsonl
+
+    synced: list[int] = []
+    monkeypatch.setattr(jsonl.os, "fsync", lambda fd: synced.append(fd))
+    sink = JsonlSink(tmp_path)
+    for step in range(3):
+        sink.write_metrics(step, {"loss": 1.0 + step})
+        sink.flush()
+        rows = read_jsonl(tmp_path / "stabkit.jsonl")  # another reader sees the row at once
+        assert [r["step"] for r in rows] == list(range(step + 1))
+    assert synced == []
+    sink.write_event(Event(3, "spike", "loss", 9.0, 4.0, "loss spike"))
+    assert len(synced) == 1
+    sink.close()
+    assert len(synced) == 2
+    sink.flush()  # after close: nothing, no error
+    assert len(synced) == 2 and len(read_jsonl(tmp_path / "stabkit.jsonl")) == 4
