@@ -13,7 +13,8 @@ dispatch (~1 µs a hook on a CPU) or what the model's kernels lose to caches sta
 timer adds ~1 µs a call of its own.
 
 When it runs: after the timed rounds, on a fresh model per monitored variant (the timed monitors are
-never wrapped), for `STEPS` steps after a warm-up.
+never wrapped), for `STEPS` steps after a warm-up and on to `SAMPLED` sampled ones (at most
+`EXTRA_STEPS` more); the text says how many steps each median holds.
 """
 
 from __future__ import annotations
@@ -35,7 +36,12 @@ if TYPE_CHECKING:
     from .runner import BenchConfig
 
 STEPS = 60
-"""Timed steps per variant (six default sampling cycles)."""
+"""Timed steps per variant at least (six default sampling cycles)."""
+SAMPLED = 12
+"""Sampled steps the timer goes on to, past `STEPS`, for a median that is a reading (six at
+``every=10`` moved by several ms between runs), within `EXTRA_STEPS` more steps."""
+EXTRA_STEPS = 120
+"""At most this many steps past `STEPS` for `SAMPLED` (``every=100`` gets one or two)."""
 PROFILED = 20
 """Unsampled steps run with stabkit's torch ops timed, after the timed ones, for the Python / torch-op
 split (`torch_ops_ms`)."""
@@ -61,6 +67,10 @@ class InHook:
     when none was timed."""
     log_every: int | None = None
     """The rows (steps) one flush writes: its cost a step is ``flush_ms / log_every``."""
+    sampled_steps: int = 0
+    """Sampled steps behind `sampled_ms`."""
+    unsampled_steps: int = 0
+    """Unsampled steps behind `unsampled_ms`."""
     python_ms: float | None = None
     """stabkit's own Python per unsampled step: `unsampled_ms` less `ops_ms` (None when not split)."""
     ops_ms: float | None = None
@@ -82,8 +92,9 @@ class InHook:
         if self.python_ms is not None and self.ops_ms is not None:
             split = f" (Python {self.python_ms:.3f} ms, torch ops {self.ops_ms:.3f} ms)"
         return (
-            f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step{split}, {ms(self.sampled_ms)} per "
-            f"sampled step (median of {STEPS}); {self.top_of}, by entry point (ms): {parts or '-'}{flush}"
+            f"in stabkit, {name}: {ms(self.unsampled_ms)} per unsampled step (median of "
+            f"{self.unsampled_steps}){split}, {ms(self.sampled_ms)} per sampled step (median of "
+            f"{self.sampled_steps}); {self.top_of}, by entry point (ms): {parts or '-'}{flush}"
         )
 
 
@@ -156,7 +167,9 @@ def measure(cfg: BenchConfig, variant: str) -> InHook:
             tr.run(max(cfg.warmup, 2))
             mon.flush = _timed(mon.flush, flushes)  # type: ignore[method-assign]
             rows: list[tuple[bool, dict[str, float]]] = []
-            for _ in range(STEPS):
+            while len(rows) < STEPS or (
+                sum(s for s, _ in rows) < SAMPLED and len(rows) < STEPS + EXTRA_STEPS
+            ):
                 sampled = mon.global_step % mon.config.every == 0
                 clock.spent = {}
                 tr.run(1)
@@ -243,4 +256,12 @@ def _summary(rows: list[tuple[bool, dict[str, float]]]) -> InHook:
     keys = {k for spent in chosen for k in spent}
     top = {k: 1e3 * statistics.median(spent.get(k, 0.0) for spent in chosen) for k in keys}
     ordered = dict(sorted(top.items(), key=lambda kv: -kv[1]))
-    return InHook(median_ms(True), median_ms(False), ordered, "unsampled" if quiet else "sampled")
+    sampled = sum(s for s, _ in rows)
+    return InHook(
+        median_ms(True),
+        median_ms(False),
+        ordered,
+        "unsampled" if quiet else "sampled",
+        sampled_steps=sampled,
+        unsampled_steps=len(rows) - sampled,
+    )

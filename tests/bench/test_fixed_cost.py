@@ -138,6 +138,12 @@ def test_in_hook_timer_names_stabkits_entry_points_per_kind_of_step() -> None:
         assert entry in inside.top
     assert list(inside.top.values()) == sorted(inside.top.values(), reverse=True)
     assert inside.text("default").startswith("in stabkit, default: ")
+    # the sampled median is a reading, not six steps: the timer goes on to SAMPLED of them
+    from stabkit.bench.inhook import SAMPLED, STEPS
+
+    assert inside.sampled_steps == SAMPLED and inside.unsampled_steps >= STEPS - SAMPLED
+    assert f"per sampled step (median of {SAMPLED})" in inside.text("default")
+    assert f"per unsampled step (median of {inside.unsampled_steps})" in inside.text("default")
 
 
 def test_in_hook_times_the_log_intervals_flush_apart() -> None:
@@ -155,6 +161,7 @@ def test_in_hook_times_the_log_intervals_flush_apart() -> None:
         assert f"log interval: {inside.flush_ms:.2f} ms a flush of {log_every} rows" in text
         assert f"({inside.flush_ms / log_every:.3f} ms a step)" in text
     assert STEPS < 100  # so every100 did run on to its first log interval
+    assert inside.sampled_steps in (1, 2)  # every100: the extra steps end it (STEPS + EXTRA_STEPS < 200)
 
 
 def test_bench_cli_small_step_paired_in_hook(tmp_path: Path) -> None:
