@@ -194,29 +194,26 @@ class Decisions:
             for part in self.devices.values()
             if (flag := part.before_update(step, value, committed is None)) is not None
         ]
-        if not flags and not self.per_step:  # a warn-only step: nothing to fetch or judge here
-            if not self._acted:
-                self.actions.before_update(step)
-            return
         early: list[tuple[str, torch.Tensor]] = []
         if self.per_step:
             names = list(committed) if committed is not None else self.recorder.current_names()
             wanted = self._wanted(names, True)
             early = [(n, t) for n in wanted if (t := value(n)) is not None]
         self._judged_before = {n for n, _ in early}
-        reductions = self.recorder.reductions
-        host = _fetch(
-            [f for _, f in flags] + [t for _, t in early],
-            ["max"] * len(flags) + [reductions.get(n, "mean") for n, _ in early],
-        )
-        acted = False
-        for (part, _), hit in zip(flags, host, strict=False):
-            event = part.decide_before_update(step, hit > 0)
-            if event is not None:
-                acted = self._act(event, part, before_update=True) or acted
-        if acted:
-            return
-        self._judge(step, dict(zip([n for n, _ in early], host[len(flags) :], strict=True)), True)
+        if flags or early:  # something to decide now (a warn-only step has nothing: no host copy)
+            reductions = self.recorder.reductions
+            host = _fetch(
+                [f for _, f in flags] + [t for _, t in early],
+                ["max"] * len(flags) + [reductions.get(n, "mean") for n, _ in early],
+            )
+            acted = False
+            for (part, _), hit in zip(flags, host, strict=False):
+                event = part.decide_before_update(step, hit > 0)
+                if event is not None:
+                    acted = self._act(event, part, before_update=True) or acted
+            if acted:
+                return
+            self._judge(step, dict(zip([n for n, _ in early], host[len(flags) :], strict=True)), True)
         if not self._acted:
             self.actions.before_update(step)
 

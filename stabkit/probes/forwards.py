@@ -112,18 +112,15 @@ class TrainingForwards:
     def _enter_model(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """The model's own pre-hook: `_enter`, and an outermost training forward with an empty
         batch is not a training forward (warned once)."""
-        if self._stack:
-            self._stack.append(self._stack[-1])
+        self._enter(module, args)
+        if len(self._stack) > 1 or not self._stack[-1]:  # nested, or not a training forward anyway
             return
-        training = module.training and torch.is_grad_enabled()
-        if training:
-            shape = empty_input(args, kwargs)
-            if shape is not None:
-                training = False
-                if not self._told_empty:
-                    self._told_empty = True
-                    hook_warning(EMPTY_BATCH.format(shape=shape), RuntimeWarning, stacklevel=3)
-        self._stack.append(training)
+        shape = empty_input(args, kwargs)
+        if shape is not None:
+            self._stack[-1] = False
+            if not self._told_empty:
+                self._told_empty = True
+                hook_warning(EMPTY_BATCH.format(shape=shape), RuntimeWarning, stacklevel=3)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         if self._stack:  # empty when the pre-hook was installed during this very forward

@@ -60,9 +60,10 @@ class JsonlSink:
         if self._fh.closed:
             return
         self._fh.write(json.dumps(json_safe(obj)) + "\n")
-        self._fh.flush()
         if sync:
-            os.fsync(self._fh.fileno())
+            self.sync()
+        else:
+            self._fh.flush()
 
     def write_metrics(self, step: int, values: dict[str, float]) -> None:
         self._write({"type": "metrics", "step": step, "values": values})
