@@ -75,8 +75,7 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
             f"{compile_txt}  {verdict}"
         )
     lines.append(
-        f"noise: half the spread of the per-round {judged} ratios over {cfg['repeats']} round(s); "
-        "a time verdict past the budget by less than it reads 'within noise'"
+        f"noise: {_noise_basis(result, judged)}; a time verdict past the budget by less than it reads 'within noise'"
     )
     clock = "CPU" if cfg["device"] == "cpu" else "wall, each step synchronized,"
     lines.append(
@@ -159,6 +158,25 @@ def compile_verdict(result: BenchResult) -> str:
     if result.compile_noise is not None and ratio - result.compile_noise / bare <= COMPILE_TIME_BUDGET:
         return "within noise"
     return "OVER"
+
+
+def _noise_basis(result: BenchResult, judged: str) -> str:
+    """The footnote's account of the noise column: what each variant's band was estimated from."""
+    bands = {}
+    for name in result.variants:
+        found = None if name == "bare" else result.noise_band(name)
+        if found is not None:
+            bands[name] = found
+    what = f"of the {judged} ratio"
+    if not bands:
+        return f"{what}: none (one round)"
+    hint = (
+        " (a block: whole cycles of the variant's monitor)" if any(b.blocks for b in bands.values()) else ""
+    )
+    bases = {name: b.basis() for name, b in bands.items()}
+    if len(set(bases.values())) == 1:
+        return f"{what}, {next(iter(bases.values()))}{hint}"
+    return f"{what} — " + "; ".join(f"{name}: {basis}" for name, basis in bases.items()) + hint
 
 
 def time_verdict(ratio: float, budget: float, band: float | None) -> str:

@@ -40,6 +40,7 @@ from ..monitor import Monitor
 from .fixed_cost import added_ms
 from .interventions import INTERVENTION_VARIANTS, apply_variant
 from .machine import describe
+from .noise import Band, band, cycle
 from .presets import bench_sizes, size_batch, size_config
 
 VARIANTS = ("bare", "default", "full", "anomaly")
@@ -169,6 +170,9 @@ class VariantResult:
     step_sampled: list[list[bool]] = field(default_factory=list)
     """Per round, whether each timed step was a sampled one for the variant's monitor
     (``MonitorConfig.every``; False throughout without a monitor)."""
+    cycle: int = 1
+    """Steps after which the variant's monitor repeats its work (`stabkit.bench.noise.cycle`; 1
+    without a monitor): the noise band's blocks are whole cycles."""
 
     @property
     def median(self) -> float:
@@ -223,10 +227,15 @@ class BenchResult:
         return [m / b for m, b in zip(mine, bare) if b > 0]
 
     def noise(self, name: str) -> float | None:
-        """Half the spread (max − min) of the per-round budget ratios: the noise band of the ratio
-        (None with a single round)."""
-        ratios = self.round_ratios(name)
-        return (max(ratios) - min(ratios)) / 2 if len(ratios) > 1 else None
+        """The noise band of the ratio (`noise_band`'s value; None with a single short round)."""
+        found = self.noise_band(name)
+        return None if found is None else found.value
+
+    def noise_band(self, name: str) -> Band | None:
+        """The ratio's noise band (`stabkit.bench.noise.band`): the standard error over blocks of
+        whole monitor cycles when the rounds hold enough of them, else the rounds' half spread."""
+        v, bare = self.variants[name], self.variants["bare"]
+        return band(self.round_ratios(name), v.step_cpu, bare.step_cpu, v.cycle)
 
     def budget_ratio(self, name: str) -> float:
         """The ratio the budget is judged on: CPU time on a CPU (one thread: immune to neighbours' load), wall on CUDA."""
@@ -243,6 +252,7 @@ class BenchResult:
                 "median_cpu_step_s": v.cpu_median,
                 "cpu_ratio_to_bare": self.cpu_ratio(name),
                 "ratio_noise": self.noise(name),
+                "ratio_noise_basis": None if (b := self.noise_band(name)) is None else b.basis(),
                 "memory_overhead_bytes": self.memory.get(name),
                 "rss_overhead_bytes": self.memory_rss.get(name),
                 "memory_overhead_fraction": (
@@ -448,6 +458,7 @@ def run_bench(cfg: BenchConfig, progress: Progress | None = None) -> BenchResult
             if mcfg is not None:
                 tr.monitor = attach(tr.model, tr.opt, logdir=f"{tmp}/{name}", config=mcfg)
                 results[name].monitored = True
+                results[name].cycle = cycle(mcfg)
         handles = [apply_variant(tr.model, tr.opt, name) for name, tr in trainers.items()]
         for name, tr in trainers.items():
             if progress is not None:

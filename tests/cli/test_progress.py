@@ -197,7 +197,7 @@ def test_bench_quick_states_its_noise_band_and_skips_memory(tmp_path: Path) -> N
     )
     assert result.exit_code == 0, result.output
     assert "quick: 2 rounds of 10 steps and no memory phase" in result.stdout
-    assert "noise: half the spread of the per-round CPU-time ratios over 2 round(s)" in result.stdout
+    assert "noise: of the CPU-time ratio, half the spread of 2 rounds;" in result.stdout
     assert "memory:" not in result.stderr  # no memory phase
     lines = result.stderr.splitlines()  # not a terminal: plain lines
     assert lines[0] == "timing 2 rounds x 4 variants: started (88 steps to do)"  # 4 x (2 + 2 x 10)
