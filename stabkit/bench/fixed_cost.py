@@ -5,7 +5,9 @@ tenth of one. Each timed step of a monitored variant is paired with bare's step 
 of the same round (in ``--paired`` mode the two ran next to each other), and the differences are
 averaged separately over the variant's sampled steps (per-layer statistics taken,
 ``MonitorConfig.every``) and unsampled ones (only the every-step scalars: what stabkit costs on most
-steps). The figure is the median over rounds, its noise half the spread of the rounds' values.
+steps). The figure is the median over rounds; its noise the standard error over blocks of whole
+monitor cycles when the rounds hold at least four (`stabkit.bench.noise`), else half the spread of the
+rounds' values.
 
 When it runs: once, after the timed rounds, to fill the table's "+ms" columns and the JSON.
 """
@@ -17,6 +19,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
+from .noise import block_steps, blocks, standard_error
+
 
 class Steps(Protocol):
     """What `added_ms` reads of a variant (`stabkit.bench.runner.VariantResult`)."""
@@ -24,6 +28,7 @@ class Steps(Protocol):
     monitored: bool
     step_cpu: list[list[float]]
     step_sampled: list[list[bool]]
+    cycle: int
 
 
 class Variants(Protocol):
@@ -39,7 +44,8 @@ class Added:
 
     ms: float
     noise: float | None
-    """Half the spread of the per-round values (None with a single round)."""
+    """The standard error over blocks of whole cycles, else half the spread of the per-round values
+    (None with a single short round)."""
     steps: int
     """Steps of this kind that were paired, over every round."""
 
@@ -64,6 +70,28 @@ def added_ms(result: Variants, name: str) -> dict[str, Added | None]:
                 per_round.append(1e3 * statistics.fmean(diffs))
                 steps += len(diffs)
         if per_round:
-            noise = (max(per_round) - min(per_round)) / 2 if len(per_round) > 1 else None
+            noise = standard_error(_block_means(variant, bare, want))
+            if noise is None and len(per_round) > 1:
+                noise = (max(per_round) - min(per_round)) / 2
             out[kind] = Added(statistics.median(per_round), noise, steps)
+    return out
+
+
+def _block_means(variant: Steps, bare: Steps, want: bool) -> list[float]:
+    """Per block of whole cycles (`stabkit.bench.noise.blocks`): the milliseconds added on average over
+    the block's steps of the kind `want` (sampled or not)."""
+    lengths = [
+        min(len(m), len(b), len(f))
+        for m, b, f in zip(variant.step_cpu, bare.step_cpu, variant.step_sampled, strict=False)
+    ]
+    out: list[float] = []
+    for r, steps in blocks(lengths, block_steps(variant.cycle)):
+        mine, base, flags = (
+            variant.step_cpu[r][steps],
+            bare.step_cpu[r][steps],
+            variant.step_sampled[r][steps],
+        )
+        diffs = [m - b for m, b, f in zip(mine, base, flags, strict=True) if f == want]
+        if diffs:
+            out.append(1e3 * statistics.fmean(diffs))
     return out

@@ -54,17 +54,37 @@ def cycle(config: MonitorConfig | None) -> int:
     return math.lcm(config.every, config.attention_every, config.deep_cadence, config.log_every)
 
 
+def blocks(rounds: list[int], size: int) -> list[tuple[int, slice]]:
+    """(round, steps) of each block of `size` consecutive steps of rounds `rounds` steps long (a
+    round's last steps short of a block are left out)."""
+    return [
+        (r, slice(start, start + size))
+        for r, n in enumerate(rounds)
+        for start in range(0, n - size + 1, size)
+    ]
+
+
 def block_ratios(mine: list[list[float]], bare: list[list[float]], size: int) -> list[float]:
     """Per block of `size` consecutive steps of each round: the variant's seconds over bare's for the
-    same steps (a round's last steps short of a block are left out)."""
+    same steps."""
     out: list[float] = []
-    for m, b in zip(mine, bare, strict=False):
-        n = min(len(m), len(b))
-        for start in range(0, n - size + 1, size):
-            base = sum(b[start : start + size])
-            if base > 0:
-                out.append(sum(m[start : start + size]) / base)
+    for r, steps in blocks([min(len(m), len(b)) for m, b in zip(mine, bare, strict=False)], size):
+        base = sum(bare[r][steps])
+        if base > 0:
+            out.append(sum(mine[r][steps]) / base)
     return out
+
+
+def standard_error(values: list[float]) -> float | None:
+    """The standard error of the mean of `values` (None for fewer than `MIN_BLOCKS`)."""
+    if len(values) < MIN_BLOCKS:
+        return None
+    return statistics.stdev(values) / math.sqrt(len(values))
+
+
+def block_steps(steps_per_cycle: int) -> int:
+    """Steps per block for a variant whose monitor repeats every `steps_per_cycle` steps."""
+    return max(steps_per_cycle, MIN_BLOCK_STEPS)
 
 
 def band(
@@ -72,10 +92,11 @@ def band(
 ) -> Band | None:
     """The noise band of a ratio: the standard error over blocks of whole cycles when the rounds hold
     at least `MIN_BLOCKS` of them, else half the spread of `round_ratios` (None with one round)."""
-    size = max(steps_per_cycle, MIN_BLOCK_STEPS)
-    blocks = block_ratios(mine, bare, size)
-    if len(blocks) >= MIN_BLOCKS:
-        return Band(statistics.stdev(blocks) / math.sqrt(len(blocks)), len(blocks), size, len(round_ratios))
+    size = block_steps(steps_per_cycle)
+    ratios = block_ratios(mine, bare, size)
+    error = standard_error(ratios)
+    if error is not None:
+        return Band(error, len(ratios), size, len(round_ratios))
     if len(round_ratios) < 2:
         return None
     return Band((max(round_ratios) - min(round_ratios)) / 2, 0, 0, len(round_ratios))

@@ -82,7 +82,7 @@ def format_table(result: BenchResult, noise: int | None = None) -> str:
         f"+ms: {clock} milliseconds a monitor adds per sampled step (per-layer statistics) and per "
         "unsampled step (the every-step scalars), each step paired with bare's at the same place of its "
         f"round{' (paired: the two ran next to each other)' if cfg.get('paired') else ''}; median over "
-        "rounds ± half their spread"
+        "rounds ± its noise, estimated as the noise column's"
     )
     if not compiled and "full" in result.variants and "full" not in budget:
         lines.append(

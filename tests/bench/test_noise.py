@@ -11,6 +11,7 @@ import pytest
 
 from stabkit import MonitorConfig
 from stabkit.bench import format_table
+from stabkit.bench.fixed_cost import added_ms
 from stabkit.bench.noise import MIN_BLOCK_STEPS, band, block_ratios, cycle
 from stabkit.bench.runner import BenchResult, VariantResult
 
@@ -103,3 +104,36 @@ def test_a_monitors_cycle_is_the_lcm_of_its_cadences() -> None:
     assert cycle(MonitorConfig(every=100, log_every=100)) == 500  # whole-model statistics every 500
     assert cycle(MonitorConfig(attn_every=20, log_every=30)) == 300  # lcm(10, 20, 50, 30)
     assert cycle(MonitorConfig(every=1, log_every=1)) == 1
+
+
+def test_the_added_milliseconds_noise_is_the_standard_error_over_the_same_blocks() -> None:
+    bare, mine = _rounds(steps=300, rounds=2)
+    flags = [[i % 10 == 0 for i in range(300)] for _ in range(2)]
+    extra = [
+        0.0,
+        0.4,
+        0.0,
+        -0.2,
+        0.0,
+        0.0,
+        0.6,
+        0.0,
+        0.0,
+        0.2,
+        0.0,
+        0.0,
+    ]  # ms on each block's unsampled steps
+    for k, ms in enumerate(extra):
+        r, start = divmod(k, 6)
+        for i in range(start * 50, start * 50 + 50):
+            if not flags[r][i]:
+                mine[r][i] += ms / 1e3
+    result = _result(bare, mine, 50)
+    result.variants["default"].step_sampled = flags
+    added = added_ms(result, "default")
+    unsampled, sampled = added["unsampled"], added["sampled"]
+    assert unsampled is not None and sampled is not None
+    per_block = 0.5 + np.array(extra)  # each block's mean over its 45 unsampled steps
+    assert unsampled.noise == pytest.approx(per_block.std(ddof=1) / math.sqrt(12), rel=1e-6)
+    assert unsampled.ms == pytest.approx(np.median([per_block[:6].mean(), per_block[6:].mean()]), rel=1e-6)
+    assert sampled.ms == pytest.approx(10.0) and sampled.noise == pytest.approx(0.0, abs=1e-9)
