@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from .noise import block_steps, blocks, standard_error
+from .noise import block_steps, blocks, half_spread, standard_error
 
 
 class Steps(Protocol):
@@ -71,8 +71,8 @@ def added_ms(result: Variants, name: str) -> dict[str, Added | None]:
                 steps += len(diffs)
         if per_round:
             noise = standard_error(_block_means(variant, bare, want))
-            if noise is None and len(per_round) > 1:
-                noise = (max(per_round) - min(per_round)) / 2
+            if noise is None:
+                noise = half_spread(per_round)
             out[kind] = Added(statistics.median(per_round), noise, steps)
     return out
 

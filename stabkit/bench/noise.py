@@ -97,6 +97,11 @@ def band(
     error = standard_error(ratios)
     if error is not None:
         return Band(error, len(ratios), size, len(round_ratios))
-    if len(round_ratios) < 2:
-        return None
-    return Band((max(round_ratios) - min(round_ratios)) / 2, 0, 0, len(round_ratios))
+    spread = half_spread(round_ratios)
+    return None if spread is None else Band(spread, 0, 0, len(round_ratios))
+
+
+def half_spread(per_round: list[float]) -> float | None:
+    """Half of (max − min) of per-round values: the band when the rounds are too short for blocks
+    (None with a single round)."""
+    return (max(per_round) - min(per_round)) / 2 if len(per_round) > 1 else None

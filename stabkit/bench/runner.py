@@ -244,6 +244,7 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         rows = {}
         for name, v in self.variants.items():
+            noise = self.noise_band(name)
             rows[name] = {
                 "median_step_s": v.median,
                 "min_step_s": min(v.step_times),
@@ -251,8 +252,8 @@ class BenchResult:
                 "ratio_to_bare": self.ratio(name),
                 "median_cpu_step_s": v.cpu_median,
                 "cpu_ratio_to_bare": self.cpu_ratio(name),
-                "ratio_noise": self.noise(name),
-                "ratio_noise_basis": None if (b := self.noise_band(name)) is None else b.basis(),
+                "ratio_noise": None if noise is None else noise.value,
+                "ratio_noise_basis": None if noise is None else noise.basis(),
                 "memory_overhead_bytes": self.memory.get(name),
                 "rss_overhead_bytes": self.memory_rss.get(name),
                 "memory_overhead_fraction": (
